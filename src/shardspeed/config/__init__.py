@@ -1,0 +1,23 @@
+"""The config room: DeepSpeed's JSON schema as strict pydantic models, parsed and checked once."""
+
+from .batch import resolve_batch
+from .errors import ConfigError
+from .loader import (
+    load_config,
+    non_default_settings,
+    optimizer_params,
+    read_config_source,
+    scheduler_params,
+)
+from .schema import ShardSpeedConfig
+
+__all__ = [
+    "ConfigError",
+    "ShardSpeedConfig",
+    "load_config",
+    "non_default_settings",
+    "optimizer_params",
+    "read_config_source",
+    "resolve_batch",
+    "scheduler_params",
+]

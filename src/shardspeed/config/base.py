@@ -1,0 +1,35 @@
+"""The base of every config section: strict pydantic models whose errors name the key path."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+
+class StrictModel(BaseModel):
+    """A config section: unknown keys and wrongly typed values are errors, never ignored.
+
+    `not_supported_until` names the fields that are real DeepSpeed keys but not honoured yet, with the
+    issue that brings each: such a field may be written only with its default value; anything else is
+    refused as "not supported yet" by the loader, so no key is ever accepted and silently ignored.
+    A section may instead list the fields it does honour in `implemented`; every other field is then
+    treated the same way. `key_hints` maps a key that is
+    not a field (a common mistake) to the advice shown when it appears, e.g. `max_grad_norm` in
+    optimizer params -> "use the top-level gradient_clipping".
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=True)
+
+    implemented: ClassVar[frozenset[str] | None] = None
+    not_supported_until: ClassVar[dict[str, str]] = {}
+    key_hints: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def unsupported_reason(cls, field: str) -> str | None:
+        """Why `field` may not be set yet (the issue that brings it), or None if it is honoured."""
+        if field in cls.not_supported_until:
+            return cls.not_supported_until[field]
+        if cls.implemented is not None and field not in cls.implemented:
+            return "a later issue"
+        return None

@@ -1,0 +1,390 @@
+"""Read a DeepSpeed config from a dict, a JSON file or base64 JSON, and validate it once, strictly.
+
+The order: read (duplicate keys are errors) -> rewrite deprecated spellings (with a warning naming the
+modern key) -> resolve or refuse "auto" -> pydantic validation (unknown keys, types, ranges) ->
+refuse keys a later issue implements -> optimizer/scheduler params -> batch arithmetic. Every
+problem found is reported together, each naming its key path.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, get_args
+
+from pydantic import BaseModel, ValidationError
+
+from .base import StrictModel
+from .batch import BATCH_KEYS, resolve_batch
+from .errors import ConfigError, closest, key_path
+from .optimizer import OPTIMIZER_PARAMS, canonical_optimizer_name
+from .scheduler import SCHEDULER_PARAMS
+from .schema import ISSUE_ZERO3, ISSUE_ZERO12, REMOVED_KEYS, ShardSpeedConfig
+
+logger = logging.getLogger("shardspeed")
+
+ConfigSource = Mapping[str, Any] | str | os.PathLike
+
+# "auto" values the engine can fill in itself: these size knobs fall back to our defaults.
+AUTO_TO_DEFAULT = {
+    ("zero_optimization", "reduce_bucket_size"),
+    ("zero_optimization", "allgather_bucket_size"),
+    ("zero_optimization", "stage3_prefetch_bucket_size"),
+    ("zero_optimization", "stage3_param_persistence_threshold"),
+}
+STAGE3_UNPREFIXED = (
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "model_persistence_threshold",
+    "max_live_parameters",
+    "max_reuse_distance",
+    "gather_16bit_weights_on_model_save",
+)
+
+
+def read_config_source(source: ConfigSource) -> dict[str, Any]:
+    """A config as a fresh dict, from a mapping, a JSON file path or a base64-encoded JSON string."""
+    if isinstance(source, Mapping):
+        return copy.deepcopy(dict(source))
+    if not isinstance(source, str | os.PathLike):
+        raise ConfigError(
+            f"config must be a dict, a path to a JSON file or base64 JSON, not {type(source).__name__}"
+        )
+    path = Path(source)
+    if path.is_file():
+        text = path.read_text()
+        origin = str(path)
+    else:
+        try:
+            text = base64.b64decode(str(source), validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError, ValueError):
+            raise ConfigError(
+                f"config file '{source}' does not exist (and it is not base64-encoded JSON)"
+            ) from None
+        origin = "base64 config"
+    try:
+        loaded = json.loads(text, object_pairs_hook=_no_duplicates(origin))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{origin} is not valid JSON: {err}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{origin} must hold a JSON object, not {type(loaded).__name__}")
+    return loaded
+
+
+def _no_duplicates(origin: str):
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(
+                    f"duplicate key '{key}' in {origin}: JSON keeps only the last, so say it once"
+                )
+            out[key] = value
+        return out
+
+    return hook
+
+
+def load_config(source: ConfigSource, dp_world_size: int) -> ShardSpeedConfig:
+    """Validate a config for a run with `dp_world_size` data-parallel ranks; raise ConfigError."""
+    raw = read_config_source(source)
+    problems: list[str] = []
+    _rewrite_deprecated(raw, problems)
+    _refuse_removed(raw, problems)
+    auto_batch = _resolve_auto(raw, problems)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        config = ShardSpeedConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(validation_problems(err, ShardSpeedConfig)) from None
+    problems += _unsupported(config, ())
+    problems += _cross_section(config)
+    problems += _check_params(config)
+    if problems:
+        raise ConfigError(problems)
+    tbs, micro, gas = resolve_batch(
+        config.train_batch_size,
+        config.train_micro_batch_size_per_gpu,
+        config.gradient_accumulation_steps,
+        dp_world_size,
+        auto_batch,
+    )
+    return config.model_copy(
+        update={
+            "train_batch_size": tbs,
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": gas,
+        }
+    )
+
+
+def validation_problems(
+    err: ValidationError, model: type[BaseModel], prefix: tuple = ()
+) -> list[str]:
+    """Turn pydantic's errors into lines that name the key path, the bad value and what is allowed."""
+    problems = []
+    for item in err.errors():
+        loc = prefix + tuple(item["loc"])
+        path = key_path(*loc)
+        if item["type"] == "extra_forbidden":
+            problems.append(_unknown_key(path, loc[-1], _model_at(model, tuple(item["loc"])[:-1])))
+        elif item["type"] == "missing":
+            problems.append(f"'{path}' is required")
+        else:
+            message = item["msg"].removeprefix("Value error, ")
+            problems.append(f"'{path}': {message} (got {item['input']!r})")
+    return problems
+
+
+def _unknown_key(path: str, key: Any, owner: type[StrictModel] | None) -> str:
+    if owner is None:
+        return f"unknown key '{path}'"
+    if key in owner.key_hints:
+        return f"'{path}' is not accepted here: {owner.key_hints[key]}"
+    allowed = list(owner.model_fields)
+    hint = closest(str(key), allowed)
+    suggestion = f" (did you mean '{hint}'?)" if hint else ""
+    return f"unknown key '{path}'{suggestion}; allowed keys: {', '.join(allowed)}"
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[StrictModel] | None:
+    """The section model that owns the key at `loc` (None if it is a free-form dict)."""
+    current: Any = model
+    for part in loc:
+        field = current.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        current = _section_type(field.annotation)
+        if current is None:
+            return None
+    return current
+
+
+def _section_type(annotation: Any) -> type[StrictModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, StrictModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _section_type(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _rewrite_deprecated(raw: dict[str, Any], problems: list[str]) -> None:
+    """Accept DeepSpeed's old spellings that real configs still use, each with a one-line warning."""
+    _rename(raw, (), "bfloat16", "bf16", problems)
+    zero = raw.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    for short in STAGE3_UNPREFIXED:
+        _rename(zero, ("zero_optimization",), short, f"stage3_{short}", problems)
+    _rename(
+        zero,
+        ("zero_optimization",),
+        "stage3_gather_fp16_weights_on_model_save",
+        "stage3_gather_16bit_weights_on_model_save",
+        problems,
+    )
+    pin = zero.pop("cpu_offload_use_pin_memory", None)
+    if pin is not None:
+        _warn_deprecated(
+            "zero_optimization.cpu_offload_use_pin_memory", "zero_optimization.offload_*.pin_memory"
+        )
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if old not in zero:
+            continue
+        flag = zero.pop(old)
+        _warn_deprecated(f"zero_optimization.{old}", f"zero_optimization.{new}.device")
+        if new in zero:
+            problems.append(
+                f"both 'zero_optimization.{old}' and 'zero_optimization.{new}' are set: keep only "
+                f"'{new}'"
+            )
+        elif flag is True:
+            zero[new] = {"device": "cpu", **({"pin_memory": pin} if pin is not None else {})}
+        elif flag is not False:
+            problems.append(f"'zero_optimization.{old}': must be true or false (got {flag!r})")
+
+
+def _rename(section: dict, where: tuple, old: str, new: str, problems: list[str]) -> None:
+    if old not in section:
+        return
+    _warn_deprecated(key_path(*where, old), key_path(*where, new))
+    if new in section:
+        problems.append(
+            f"both '{key_path(*where, old)}' and its modern name '{key_path(*where, new)}' are set: "
+            f"keep only '{key_path(*where, new)}'"
+        )
+        return
+    section[new] = section.pop(old)
+
+
+def _warn_deprecated(old: str, new: str) -> None:
+    logger.warning("config key '%s' is deprecated: use '%s' (accepted for now)", old, new)
+
+
+def _refuse_removed(raw: dict[str, Any], problems: list[str]) -> None:
+    for dotted, reason in REMOVED_KEYS.items():
+        *parents, leaf = dotted.split(".")
+        section: Any = raw
+        for parent in parents:
+            section = section.get(parent) if isinstance(section, dict) else None
+        if isinstance(section, dict) and leaf in section:
+            problems.append(f"'{dotted}' is {reason} (see deepspeedai/DeepSpeed#8489)")
+
+
+def _resolve_auto(raw: dict[str, Any], problems: list[str]) -> frozenset[str]:
+    """Drop "auto" where the engine decides; refuse it where only the user can know the value."""
+    auto_batch = set()
+    for key in BATCH_KEYS:
+        if raw.get(key) == "auto":
+            del raw[key]
+            auto_batch.add(key)
+    for loc in _auto_locations(raw, ()):
+        if loc in AUTO_TO_DEFAULT:
+            section = raw
+            for part in loc[:-1]:
+                section = section[part]
+            del section[loc[-1]]
+            logger.info("config '%s' is \"auto\": using shardspeed's default", key_path(*loc))
+        else:
+            problems.append(
+                f"'{key_path(*loc)}' is \"auto\", a placeholder that only the Hugging Face Trainer "
+                f"fills in; set the value here{_AUTO_HINTS.get(loc[-1], '')}"
+            )
+    return frozenset(auto_batch)
+
+
+_AUTO_HINTS = {
+    "gradient_clipping": " (a number; 0 disables clipping, DeepSpeed 0.19.8's default is 1.0)",
+    "enabled": " (true or false)",
+    "lr": " (your learning rate)",
+    "total_num_steps": " (the number of optimizer steps of the run)",
+    "warmup_num_steps": " (the number of warm-up optimizer steps)",
+}
+
+
+def _auto_locations(node: Any, loc: tuple) -> list[tuple]:
+    if node == "auto":
+        return [loc]
+    if isinstance(node, dict):
+        return [found for key, value in node.items() for found in _auto_locations(value, (*loc, key))]
+    if isinstance(node, list):
+        return [found for i, value in enumerate(node) for found in _auto_locations(value, (*loc, i))]
+    return []
+
+
+def _is_disabled(section: Any) -> bool:
+    """A section that switches itself off asks nothing of the engine, so it is accepted as is."""
+    return isinstance(section, dict) and (
+        section.get("enabled") is False or section.get("device") == "none"
+    )
+
+
+def _unsupported(model: StrictModel, loc: tuple) -> list[str]:
+    problems = []
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        if isinstance(value, StrictModel):
+            problems += _unsupported(value, (*loc, name))
+            continue
+        reason = type(model).unsupported_reason(name)
+        if reason is None or value == field.get_default(call_default_factory=True):
+            continue
+        if _is_disabled(value):
+            logger.info("config section '%s' is disabled; accepted as is", key_path(*loc, name))
+            continue
+        problems.append(
+            f"'{key_path(*loc, name)}' is a DeepSpeed key that shardspeed does not support yet "
+            f"({reason}); remove it or set it to its default "
+            f"{field.get_default(call_default_factory=True)!r} (got {value!r})"
+        )
+    return problems
+
+
+def _cross_section(config: ShardSpeedConfig) -> list[str]:
+    problems = []
+    if config.fp16.enabled and config.bf16.enabled:
+        problems.append("'fp16.enabled' and 'bf16.enabled' are both true: choose one precision")
+    stage = config.zero_optimization.stage
+    if stage:
+        issue = ISSUE_ZERO3 if stage == 3 else ISSUE_ZERO12
+        problems.append(
+            f"'zero_optimization.stage' {stage} is not supported yet ({issue}); this release runs "
+            "stage 0 (data parallelism with all-reduced gradients)"
+        )
+    return problems
+
+
+def _check_params(config: ShardSpeedConfig) -> list[str]:
+    problems = []
+    if config.optimizer is not None:
+        name = canonical_optimizer_name(config.optimizer.type)
+        if name is None:
+            problems.append(_unknown_type("optimizer", config.optimizer.type, OPTIMIZER_PARAMS))
+        else:
+            problems += _validate_params(
+                OPTIMIZER_PARAMS[name], config.optimizer.params, ("optimizer", "params")
+            )
+    if config.scheduler is not None:
+        name = config.scheduler.type
+        if name not in SCHEDULER_PARAMS:
+            problems.append(_unknown_type("scheduler", name, SCHEDULER_PARAMS))
+        else:
+            problems += _validate_params(
+                SCHEDULER_PARAMS[name], config.scheduler.params, ("scheduler", "params")
+            )
+    return problems
+
+
+def _unknown_type(section: str, name: str, known: Mapping[str, Any]) -> str:
+    hint = closest(name, known) or closest(name.lower(), [k.lower() for k in known])
+    suggestion = f" (did you mean '{hint}'?)" if hint else ""
+    return f"'{section}.type': unknown type {name!r}{suggestion}; allowed: {', '.join(known)}"
+
+
+def _validate_params(model: type[StrictModel], params: dict, loc: tuple) -> list[str]:
+    try:
+        validated = model.model_validate(params)
+    except ValidationError as err:
+        return validation_problems(err, model, loc)
+    return _unsupported(validated, loc)
+
+
+def optimizer_params(config: ShardSpeedConfig) -> tuple[str, StrictModel]:
+    """The optimizer's canonical name and validated params (call after `load_config`)."""
+    assert config.optimizer is not None
+    name = canonical_optimizer_name(config.optimizer.type)
+    assert name is not None
+    return name, OPTIMIZER_PARAMS[name].model_validate(config.optimizer.params)
+
+
+def scheduler_params(config: ShardSpeedConfig) -> tuple[str, StrictModel]:
+    """The scheduler's name and validated params (call after `load_config`)."""
+    assert config.scheduler is not None
+    name = config.scheduler.type
+    return name, SCHEDULER_PARAMS[name].model_validate(config.scheduler.params)
+
+
+def non_default_settings(config: ShardSpeedConfig) -> list[str]:
+    """`key = value` for every setting that differs from its default, for the start-of-run log."""
+    return _diff(config, type(config)(), ())
+
+
+def _diff(model: BaseModel, default: BaseModel, loc: tuple) -> list[str]:
+    lines = []
+    for name in type(model).model_fields:
+        value, base = getattr(model, name), getattr(default, name)
+        if isinstance(value, StrictModel) and type(value) is type(base):
+            lines += _diff(value, base, (*loc, name))
+        elif value != base:
+            shown = value.model_dump() if isinstance(value, BaseModel) else value
+            lines.append(f"{key_path(*loc, name)} = {shown!r} (default {base!r})")
+    return lines

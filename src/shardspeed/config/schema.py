@@ -1,0 +1,325 @@
+"""DeepSpeed's JSON config as typed, strict sections (defaults follow DeepSpeed 0.19.8).
+
+Every DeepSpeed key has a field here, so a misspelling is always caught and a "did you mean" can be
+offered. Fields a later issue implements are listed in `not_supported_until`: the loader refuses any
+non-default value for them rather than accepting and ignoring it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BeforeValidator, Field, field_validator
+
+from .base import StrictModel
+
+
+def _integral(value: Any) -> Any:
+    # JSON configs routinely write sizes as 5e8; accept a float only when it is a whole number.
+    if isinstance(value, float) and not isinstance(value, bool) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+PositiveInt = Annotated[int, BeforeValidator(_integral), Field(gt=0)]
+NonNegativeInt = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
+Section = dict[str, Any] | None
+
+ISSUE_ZERO12 = "issue 3 (ZeRO stages 1 and 2)"
+ISSUE_ZERO3 = "issue 4 (ZeRO stage 3)"
+ISSUE_CHECKPOINT = "issue 5 (checkpoints)"
+ISSUE_OFFLOAD = "issue 6 (CPU and NVMe offload)"
+ISSUE_PIPE = "issue 7 (pipeline parallelism)"
+ISSUE_TP = "issue 8 (tensor parallelism, activation checkpointing)"
+ISSUE_MOE = "issue 9 (mixture of experts)"
+ISSUE_INFERENCE = "issue 10 (inference and hybrid engine)"
+ISSUE_TOOLS = "issue 11 (profiling, monitoring, autotuning, compression)"
+NOT_PLANNED = "no planned issue yet"
+
+
+class FP16Config(StrictModel):
+    """`fp16`: fp16 model, fp32 master weights, static or dynamic loss scaling."""
+
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: float = Field(0.0, ge=0.0, description="0 means dynamic scaling; > 0 a static scale")
+    initial_scale_power: NonNegativeInt = Field(16, le=63)
+    loss_scale_window: PositiveInt = 1000
+    hysteresis: PositiveInt = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = Field(1.0, gt=0.0)
+    fp16_master_weights_and_grads: bool = False
+
+    not_supported_until: ClassVar[dict[str, str]] = {"fp16_master_weights_and_grads": ISSUE_OFFLOAD}
+
+    @field_validator("loss_scale", "min_loss_scale")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class BF16Config(StrictModel):
+    """`bf16` (alias `bfloat16`): bf16 model, fp32 master weights and fp32 gradient accumulation.
+
+    `check_grad_overflow` unset means a non-finite gradient stops training with an error (there is
+    no loss scale to recover with); true means DeepSpeed's behaviour of skipping that step.
+    """
+
+    enabled: bool = False
+    check_grad_overflow: bool | None = None
+    immediate_grad_update: bool = False
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "immediate_grad_update": NOT_PLANNED,
+        "bf16_master_weights_and_grads": ISSUE_OFFLOAD,
+        "bf16_optimizer_states": ISSUE_OFFLOAD,
+    }
+
+    @field_validator("check_grad_overflow")
+    @classmethod
+    def _only_checked(cls, value: bool | None) -> bool | None:
+        if value is False:
+            raise ValueError(
+                "false (letting NaN reach the weights) is not offered; leave it unset to stop with an "
+                "error on a non-finite gradient, or set true to skip such steps"
+            )
+        return value
+
+
+class ZeroConfig(StrictModel):
+    """`zero_optimization`. Stage 0 (plain data parallelism) is implemented; 1-3 come later."""
+
+    stage: Literal[0, 1, 2, 3] = 0
+    contiguous_gradients: bool = True
+    overlap_comm: bool | None = None
+    reduce_scatter: bool = True
+    reduce_bucket_size: PositiveInt = 500_000_000
+    use_multi_rank_bucket_allreduce: bool = True
+    allgather_partitions: bool = True
+    allgather_bucket_size: PositiveInt = 500_000_000
+    compute_grad_norm: bool = True
+    load_from_fp32_weights: bool = True
+    elastic_checkpoint: bool = False
+    sub_group_size: PositiveInt = 1_000_000_000
+    round_robin_gradients: bool = False
+    ignore_unused_parameters: bool = True
+    legacy_stage1: bool = False
+    parameter_alignment: bool = False
+    offload_optimizer: Section = None
+    offload_param: Section = None
+    stage3_prefetch_bucket_size: NonNegativeInt = 50_000_000
+    stage3_param_persistence_threshold: NonNegativeInt = 100_000
+    stage3_model_persistence_threshold: NonNegativeInt = 2**63 - 1
+    stage3_max_live_parameters: NonNegativeInt = 1_000_000_000
+    stage3_max_reuse_distance: NonNegativeInt = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    stage3_module_granularity_threshold: NonNegativeInt = 0
+    stage3_use_all_reduce_for_fetch_params: bool = False
+    stage3_allgather_sequential: bool = False
+    zero_hpz_partition_size: PositiveInt = 1
+    zero_quantized_weights: bool = False
+    zero_quantized_nontrainable_weights: bool = False
+    zero_quantized_gradients: bool = False
+    memory_efficient_linear: bool = True
+    pipeline_loading_checkpoint: bool = False
+    override_module_apply: bool = True
+    log_trace_cache_warnings: bool = False
+    enable_sanity_checks: bool = False
+    save_muon_momentum_buffer_in_memory: bool = False
+    leaf_module: Section = None
+    zenflow: Section = None
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "reduce_scatter": ISSUE_ZERO12,
+        "use_multi_rank_bucket_allreduce": ISSUE_ZERO12,
+        "allgather_partitions": ISSUE_ZERO12,
+        "allgather_bucket_size": ISSUE_ZERO12,
+        "compute_grad_norm": ISSUE_ZERO12,
+        "round_robin_gradients": ISSUE_ZERO12,
+        "legacy_stage1": ISSUE_ZERO12,
+        "parameter_alignment": ISSUE_ZERO12,
+        "ignore_unused_parameters": ISSUE_ZERO12,
+        "load_from_fp32_weights": ISSUE_CHECKPOINT,
+        "elastic_checkpoint": ISSUE_CHECKPOINT,
+        "pipeline_loading_checkpoint": ISSUE_CHECKPOINT,
+        "offload_optimizer": ISSUE_OFFLOAD,
+        "offload_param": ISSUE_OFFLOAD,
+        "sub_group_size": ISSUE_OFFLOAD,
+        "zenflow": ISSUE_OFFLOAD,
+        "save_muon_momentum_buffer_in_memory": NOT_PLANNED,
+        "zero_quantized_gradients": ISSUE_TOOLS,
+        **{
+            name: ISSUE_ZERO3
+            for name in (
+                "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold",
+                "stage3_model_persistence_threshold",
+                "stage3_max_live_parameters",
+                "stage3_max_reuse_distance",
+                "stage3_gather_16bit_weights_on_model_save",
+                "stage3_module_granularity_threshold",
+                "stage3_use_all_reduce_for_fetch_params",
+                "stage3_allgather_sequential",
+                "zero_hpz_partition_size",
+                "zero_quantized_weights",
+                "zero_quantized_nontrainable_weights",
+                "memory_efficient_linear",
+                "override_module_apply",
+                "log_trace_cache_warnings",
+                "enable_sanity_checks",
+                "leaf_module",
+            )
+        },
+    }
+
+    @field_validator("contiguous_gradients")
+    @classmethod
+    def _contiguous(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError("false is not offered: gradients always live in one flat buffer")
+        return value
+
+
+class OptimizerSection(StrictModel):
+    """`optimizer`: `type` names the algorithm; `params` are checked against that type's schema."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    legacy_fusion: bool = False
+
+    not_supported_until: ClassVar[dict[str, str]] = {"legacy_fusion": NOT_PLANNED}
+
+
+class SchedulerSection(StrictModel):
+    """`scheduler`: `type` names the schedule; `params` are checked against that type's schema."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ShardSpeedConfig(StrictModel):
+    """The whole config. Batch keys hold the resolved triple after `load_config`."""
+
+    train_batch_size: PositiveInt | None = None
+    train_micro_batch_size_per_gpu: PositiveInt | None = None
+    gradient_accumulation_steps: PositiveInt | None = None
+    managed_gradient_accumulation: bool = True
+    steps_per_print: PositiveInt | None = None
+    wall_clock_breakdown: bool = False
+    gradient_clipping: float = Field(1.0, ge=0.0)
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = Field(1.0, gt=0.0)
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    communication_data_type: Literal["fp16", "bf16", "fp32"] | None = None
+    dataloader_drop_last: bool = False
+    zero_allow_untested_optimizer: bool = False
+    zero_force_ds_cpu_optimizer: bool = True
+    optimizer: OptimizerSection | None = None
+    scheduler: SchedulerSection | None = None
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+
+    disable_allgather: bool = False
+    memory_breakdown: bool = False
+    dump_state: bool = False
+    disable_python_gc: bool = False
+    log_level: str | None = None
+    sequence_parallel_size: PositiveInt = 1
+    data_parallel_size: PositiveInt | None = None
+    seq_parallel_communication_data_type: Literal["fp16", "bf16", "fp32"] = "fp32"
+    use_data_before_expert_parallelism: bool = False
+    vocabulary_size: PositiveInt | None = None
+    activation_checkpointing: Section = None
+    flops_profiler: Section = None
+    pipeline: Section = None
+    aio: Section = None
+    autotuning: Section = None
+    data_efficiency: Section = None
+    checkpoint: Section = None
+    torch_autocast: Section = None
+    data_types: Section = None
+    tensorboard: Section = None
+    wandb: Section = None
+    csv_monitor: Section = None
+    comet: Section = None
+    comms_logger: Section = None
+    hybrid_engine: Section = None
+    compile: Section = None
+    tensor_parallel: Section = None
+    expert_parallel: Section = None
+    timers: Section = None
+    weight_quantization: Section = None
+    datastates: Section = None
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "managed_gradient_accumulation": NOT_PLANNED,
+        "gradient_allreduce_op": ISSUE_ZERO12,
+        "disable_allgather": ISSUE_ZERO12,
+        "memory_breakdown": ISSUE_TOOLS,
+        "dump_state": ISSUE_TOOLS,
+        "disable_python_gc": NOT_PLANNED,
+        "log_level": NOT_PLANNED,
+        "sequence_parallel_size": NOT_PLANNED,
+        "data_parallel_size": ISSUE_TP,
+        "seq_parallel_communication_data_type": NOT_PLANNED,
+        "use_data_before_expert_parallelism": ISSUE_MOE,
+        "vocabulary_size": NOT_PLANNED,
+        "activation_checkpointing": ISSUE_TP,
+        "flops_profiler": ISSUE_TOOLS,
+        "pipeline": ISSUE_PIPE,
+        "aio": ISSUE_OFFLOAD,
+        "autotuning": ISSUE_TOOLS,
+        "data_efficiency": NOT_PLANNED,
+        "checkpoint": ISSUE_CHECKPOINT,
+        "torch_autocast": NOT_PLANNED,
+        "data_types": NOT_PLANNED,
+        "tensorboard": ISSUE_TOOLS,
+        "wandb": ISSUE_TOOLS,
+        "csv_monitor": ISSUE_TOOLS,
+        "comet": ISSUE_TOOLS,
+        "comms_logger": ISSUE_TOOLS,
+        "hybrid_engine": ISSUE_INFERENCE,
+        "compile": NOT_PLANNED,
+        "tensor_parallel": ISSUE_TP,
+        "expert_parallel": ISSUE_MOE,
+        "timers": ISSUE_TOOLS,
+        "weight_quantization": NOT_PLANNED,
+        "datastates": ISSUE_CHECKPOINT,
+    }
+
+    @property
+    def precision(self) -> Literal["fp32", "fp16", "bf16"]:
+        if self.fp16.enabled:
+            return "fp16"
+        if self.bf16.enabled:
+            return "bf16"
+        return "fp32"
+
+
+# Keys DeepSpeed 0.19.8 removed (issue deepspeedai/DeepSpeed#8489): refused with that reason.
+REMOVED_KEYS: dict[str, str] = {
+    name: "removed in DeepSpeed 0.19.8 and not offered by shardspeed"
+    for name in (
+        "amp",
+        "elasticity",
+        "compression_training",
+        "curriculum_learning",
+        "sparse_attention",
+        "quantize_training",
+        "eigenvalue",
+        "progressive_layer_drop",
+        "graph_harvesting",
+        "nebula",
+        "sparse_gradients",
+        "zero_optimization.mics_shard_size",
+        "zero_optimization.mics_hierarchical_params_gather",
+        "zero_optimization.zeropp_loco_param",
+    )
+}

@@ -1,0 +1,73 @@
+"""What torchrun runs in every worker process: ``python -m shardspeed.launcher.entry [flags] target args``.
+
+Flags (before the target): ``--no_local_rank`` (do not append ``--local_rank=N``), ``--compat`` (install
+the ``deepspeed`` import alias first), ``--module`` (the target is a module name), ``--no_python`` (the
+target is an executable to exec).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
+_FLAGS = ("--no_local_rank", "--compat", "--module", "--no_python")
+
+
+def run_target(target: str, args: Sequence[str], *, module: bool = False) -> None:
+    """Run a script (or with ``module``, a module) as ``__main__``, as ``python target args`` would.
+
+    ``sys.argv`` becomes ``[target, *args]`` and, for a script, ``sys.path[0]`` its directory, so the
+    script imports its neighbours exactly as it does when started by ``python`` itself.
+    """
+    sys.argv = [target, *args]
+    if module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+        return
+    if not os.path.exists(target):
+        print(f"shardspeed: can't open file {os.path.abspath(target)!r}", file=sys.stderr)
+        raise SystemExit(2)
+    sys.path[0] = os.path.dirname(os.path.realpath(target))
+    runpy.run_path(target, run_name="__main__")
+
+
+def _set_deepspeed_rank_env() -> None:
+    """Add the variables DeepSpeed's launcher sets and torchrun names differently."""
+    for ours, torchrun in (("LOCAL_SIZE", "LOCAL_WORLD_SIZE"), ("CROSS_RANK", "GROUP_RANK"),
+                           ("CROSS_SIZE", "GROUP_WORLD_SIZE")):
+        if torchrun in os.environ:
+            os.environ.setdefault(ours, os.environ[torchrun])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the target of this worker; returns 0 when it finishes (failures raise)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = set()
+    while argv and argv[0].startswith("-"):
+        if argv[0] not in _FLAGS:
+            raise SystemExit(f"shardspeed.launcher.entry: unknown flag {argv[0]!r}")
+        flags.add(argv.pop(0))
+    if not argv:
+        raise SystemExit("usage: python -m shardspeed.launcher.entry [flags] target [args]")
+    target, args = argv[0], argv[1:]
+    if "--no_local_rank" not in flags:
+        local_rank = os.environ.get("LOCAL_RANK")
+        if local_rank is None:
+            raise SystemExit("shardspeed.launcher.entry: LOCAL_RANK is not set; run it under torchrun")
+        # DeepSpeed's launcher passes the local rank as an argument; scripts written for it parse it.
+        args.append(f"--local_rank={local_rank}")
+    _set_deepspeed_rank_env()
+    if "--no_python" in flags:
+        os.execvp(target, [target, *args])
+    if "--compat" in flags:
+        # Imported here because shardspeed.compat imports this module for run_target.
+        from shardspeed.compat import install
+
+        install()
+    run_target(target, args, module="--module" in flags)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

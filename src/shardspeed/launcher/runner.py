@@ -1,0 +1,331 @@
+"""The ``shardspeed`` command: DeepSpeed's launcher flags, with torchrun starting the processes.
+
+``shardspeed [flags] script.py [script args]`` resolves which hosts and device slots to use (hostfile,
+``--include``/``--exclude``, ``--num_nodes``, ``--num_gpus``), then runs one
+``python -m torch.distributed.run`` per node: locally for a single node (or for this node with
+``--no_ssh``), over ssh for several. Each worker runs :mod:`shardspeed.launcher.entry`, which adds
+``--local_rank`` and runs the script. The command lines are built by pure functions so they can be
+checked without starting anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+from shardspeed.launcher.hostfile import read_hostfile, select_resources
+
+DEFAULT_HOSTFILE = "/job/hostfile"
+DEFAULT_MASTER_PORT = 29500
+ENTRY_MODULE = "shardspeed.launcher.entry"
+ENV_FILE_NAME = ".deepspeed_env"
+# Variables whose names start with one of these are copied to remote nodes. This is DeepSpeed's list
+# (MLFLOW, PYTHON, MV2, UCX) plus NCCL, which its CUDA accelerator adds.
+EXPORT_PREFIXES = ("NCCL", "PYTHON", "MLFLOW", "UCX", "MV2")
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class Launch(NamedTuple):
+    """One process for the launcher to start: its argv, its environment, and whether it is ssh."""
+
+    argv: list[str]
+    env: dict[str, str]
+    remote: bool
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, bool]]:
+    """The launcher's parser, and for each option string whether it takes a value."""
+    parser = argparse.ArgumentParser(
+        prog="shardspeed",
+        usage="shardspeed [launcher flags] script.py [script args]",
+        description="Launch a training script on one or more nodes with torchrun, "
+        "accepting DeepSpeed's launcher flags.",
+        add_help=False,
+    )
+    takes_value: dict[str, bool] = {}
+
+    def add(*names: str, **kwargs: object) -> None:
+        action = parser.add_argument(*names, **kwargs)
+        for name in action.option_strings:
+            takes_value[name] = action.nargs != 0
+
+    add("-h", "--help", action="help", help="show this help and exit")
+    add("-H", "--hostfile", default=None,
+        help=f"MPI-style hostfile ('worker-0 slots=4' lines); default {DEFAULT_HOSTFILE} if it exists, "
+        "else this machine only")
+    add("-i", "--include", default="",
+        help="resources to use: NODE_SPEC[@NODE_SPEC...] with NODE_SPEC=NAME[:SLOT[,SLOT...]], "
+        "e.g. 'worker-0@worker-1:0,2'")
+    add("-e", "--exclude", default="", help="resources not to use, same format as --include")
+    add("--num_nodes", type=int, default=None, help="use the first N hosts of the hostfile")
+    add("--num_gpus", "--num_accelerators", "--num_procs", dest="num_gpus", type=int, default=None,
+        help="processes per node, on device slots 0..N-1 (default: every slot; on this machine "
+        "the visible GPU count, or 1 process without GPUs)")
+    add("--node_rank", type=int, default=None, help="this node's rank, used with --no_ssh")
+    add("--master_addr", default=None,
+        help="rendezvous address (default 127.0.0.1 for one node, else the first host's name)")
+    add("--master_port", type=int, default=DEFAULT_MASTER_PORT, help="rendezvous port")
+    add("--max_restarts", type=int, default=None, help="passed to torchrun")
+    add("--no_local_rank", action="store_true", help="do not append --local_rank=N to the script args")
+    add("--module", action="store_true", help="run the target as a module, like python -m")
+    add("--no_python", action="store_true", help="the target is an executable, not a Python script")
+    add("--compat", action="store_true",
+        help="make 'import deepspeed' in the script resolve to shardspeed")
+    add("--no_ssh", action="store_true",
+        help="start only this node's processes (needs --node_rank); run it on every node")
+    add("--ssh_port", type=int, default=None, help="ssh port for remote nodes")
+    return parser, takes_value
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse launcher flags up to the script; the script's own args are kept verbatim.
+
+    The split is done by hand rather than by argparse so that script args which look like launcher
+    flags (``--num_gpus``, ``--master_port``, ``--``) are passed through, never interpreted.
+    """
+    parser, takes_value = _build_parser()
+    index = 0
+    while index < len(argv) and argv[index].startswith("-") and argv[index] != "-":
+        name, has_equals, _ = argv[index].partition("=")
+        if name not in takes_value:
+            parser.error(f"unrecognized launcher flag {argv[index]!r} (launcher flags go before the script)")
+        index += 2 if takes_value[name] and not has_equals else 1
+    args = parser.parse_args(argv[:index])
+    if index >= len(argv):
+        parser.error("missing the script to run")
+    args.user_script, args.user_args = argv[index], list(argv[index + 1 :])
+    if args.module and args.no_python:
+        parser.error("--module and --no_python cannot be used together")
+    if args.compat and args.no_python:
+        parser.error("--compat needs a Python script; it cannot be used with --no_python")
+    return args
+
+
+def _count_local_devices() -> int:
+    """Processes to start on this machine by default: one per visible CUDA device, else one."""
+    import torch  # imported here so that --help and hostfile-only runs stay fast
+
+    return torch.cuda.device_count() or 1
+
+
+def local_visible_devices(slots: Sequence[int], environ: Mapping[str, str]) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` for slots on this machine, or None to leave it as it is.
+
+    Slot k means the k-th device this process can see, so a CUDA_VISIBLE_DEVICES set by a job
+    scheduler is respected (DeepSpeed instead drops it when a filter flag is given). Set but empty
+    means no GPUs: the processes run on the CPU and the variable is left alone.
+    """
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return ",".join(str(slot) for slot in slots)
+    if not visible.strip():
+        return None
+    devices = [device.strip() for device in visible.split(",")]
+    missing = [slot for slot in slots if slot >= len(devices)]
+    if missing:
+        raise ValueError(
+            f"slot {missing[0]} requested but CUDA_VISIBLE_DEVICES={visible!r} lists "
+            f"{len(devices)} device(s); unset it or ask for fewer processes"
+        )
+    return ",".join(devices[slot] for slot in slots)
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """Read ``KEY=VALUE`` lines (blank lines and ``#`` comments skipped) from a .deepspeed_env file."""
+    values: dict[str, str] = {}
+    with open(path, encoding="utf-8") as handle:
+        for number, raw in enumerate(handle, start=1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, has_equals, value = line.partition("=")
+            key = key.strip()
+            if not has_equals or not _ENV_NAME.fullmatch(key):
+                raise ValueError(f"{path}:{number}: expected KEY=VALUE, got {line!r}")
+            values[key] = value.strip()
+    return values
+
+
+def remote_environment(environ: Mapping[str, str], cwd: str) -> dict[str, str]:
+    """Variables to set on remote nodes, as DeepSpeed's launcher propagates them.
+
+    Variables of this process named with an :data:`EXPORT_PREFIXES` prefix, PYTHONPATH with ``cwd``
+    first, then the ``.deepspeed_env`` files in the home directory and in ``cwd`` (later ones win).
+    ``DS_ENV_FILE`` replaces the file name; an absolute path names one file.
+    """
+    exports = {
+        key: value
+        for key, value in environ.items()
+        if key.startswith(EXPORT_PREFIXES) and _ENV_NAME.fullmatch(key)
+    }
+    # cwd goes first on PYTHONPATH so remote processes import the same local modules as this one.
+    exports["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, environ.get("PYTHONPATH")]))
+    name = environ.get("DS_ENV_FILE", ENV_FILE_NAME)
+    home = environ.get("HOME") or os.path.expanduser("~")
+    for path in dict.fromkeys(os.path.join(directory, name) for directory in (home, cwd)):
+        if os.path.isfile(path):
+            exports.update(read_env_file(path))
+    return exports
+
+
+def torchrun_command(
+    args: argparse.Namespace,
+    *,
+    nproc: int,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    python: str = sys.executable,
+) -> list[str]:
+    """The torchrun command for one node, running the script through :mod:`shardspeed.launcher.entry`."""
+    command = [
+        python, "-m", "torch.distributed.run",
+        "--nproc_per_node", str(nproc),
+        "--nnodes", str(nnodes),
+        "--node_rank", str(node_rank),
+        "--master_addr", master_addr,
+        "--master_port", str(args.master_port),
+    ]  # fmt: skip
+    if args.max_restarts is not None:
+        command += ["--max_restarts", str(args.max_restarts)]
+    command += ["--module", ENTRY_MODULE]
+    for flag in ("no_local_rank", "module", "no_python", "compat"):
+        if getattr(args, flag):
+            command.append(f"--{flag}")
+    return [*command, args.user_script, *args.user_args]
+
+
+def ssh_command(host: str, cwd: str, exports: Mapping[str, str], command: Sequence[str],
+                ssh_port: int | None = None) -> list[str]:
+    """``ssh host "cd CWD && export K=V ... && exec COMMAND"`` with every word shell-quoted.
+
+    ``-tt`` gives the remote command a terminal so that stopping this ssh client hangs it up and
+    torchrun, which handles SIGHUP, stops its workers instead of running on unattended.
+    """
+    remote = f"cd {shlex.quote(cwd)} && "
+    if exports:
+        remote += "export " + " ".join(f"{key}={shlex.quote(value)}" for key, value in exports.items())
+        remote += " && "
+    remote += "exec " + shlex.join(command)
+    port = ["-p", str(ssh_port)] if ssh_port is not None else []
+    return ["ssh", "-tt", *port, host, remote]
+
+
+def plan_launches(
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    cwd: str,
+    count_local_devices: Callable[[], int] = _count_local_devices,
+) -> list[Launch]:
+    """Resolve resources and build the processes to start; raises ValueError for bad requests."""
+    hostfile = args.hostfile or DEFAULT_HOSTFILE
+    if os.path.isfile(hostfile):
+        pool = read_hostfile(hostfile)
+    elif args.hostfile is not None:
+        raise ValueError(f"hostfile {args.hostfile!r} does not exist")
+    else:
+        # The local device count is only needed when no flag says how many processes to start.
+        pool = {"localhost": args.num_gpus or count_local_devices()}
+    hosts = select_resources(pool, args.include, args.exclude, args.num_nodes, args.num_gpus)
+    names = list(hosts)
+    master_addr = args.master_addr or ("127.0.0.1" if len(names) == 1 else names[0])
+
+    if args.no_ssh or len(names) == 1:
+        if not args.no_ssh:
+            node_rank = 0
+        elif args.node_rank is not None and 0 <= args.node_rank < len(names):
+            node_rank = args.node_rank
+        else:
+            raise ValueError(f"--no_ssh needs --node_rank between 0 and {len(names) - 1}")
+        slots = hosts[names[node_rank]]
+        env = dict(environ)
+        devices = local_visible_devices(slots, environ)
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
+        command = torchrun_command(args, nproc=len(slots), nnodes=len(names), node_rank=node_rank,
+                                   master_addr=master_addr)
+        return [Launch(command, env, remote=False)]
+
+    shared_exports = remote_environment(environ, cwd)
+    launches = []
+    for node_rank, (host, slots) in enumerate(hosts.items()):
+        # On a remote node slots are that node's device ids; its own CUDA_VISIBLE_DEVICES is unknown here.
+        exports = {**shared_exports, "CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))}
+        command = torchrun_command(args, nproc=len(slots), nnodes=len(names), node_rank=node_rank,
+                                   master_addr=master_addr)
+        launches.append(Launch(ssh_command(host, cwd, exports, command, args.ssh_port),
+                               dict(environ), remote=True))
+    return launches
+
+
+def _exit_status(returncode: int) -> int:
+    """A shell-style status: a process killed by signal N reports 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_launches(launches: Sequence[Launch], grace_s: float = 10.0) -> int:
+    """Start every launch in parallel and wait; the first non-zero status stops the others and is returned."""
+    processes = [
+        # ssh gets no stdin: several clients must not fight over this terminal.
+        subprocess.Popen(launch.argv, env=launch.env,
+                         stdin=subprocess.DEVNULL if launch.remote else None)
+        for launch in launches
+    ]
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    # SIGTERM (e.g. from a job scheduler) must stop the children too, not orphan them.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main_thread else None
+    try:
+        while True:
+            codes = [process.poll() for process in processes]
+            failed = [code for code in codes if code]
+            if failed:
+                return _exit_status(failed[0])
+            if all(code == 0 for code in codes):
+                return 0
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if in_main_thread:
+            # A handler installed outside Python reads back as None; the default is the best restore.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``shardspeed`` command; returns the exit status of the run."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        launches = plan_launches(args, os.environ, os.getcwd())
+    except ValueError as error:
+        print(f"shardspeed: error: {error}", file=sys.stderr)
+        return 2
+    for launch in launches:
+        print(f"shardspeed: {shlex.join(launch.argv)}", file=sys.stderr, flush=True)
+    return run_launches(launches)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

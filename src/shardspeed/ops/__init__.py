@@ -1,0 +1,1 @@
+"""DeepSpeed's `deepspeed.ops` optimizer names, built on torch (no compiled extensions)."""

@@ -1,0 +1,6 @@
+"""The runtime room: the engine and data loading."""
+
+from .dataloader import DistributedDataLoader
+from .engine import ShardSpeedEngine
+
+__all__ = ["DistributedDataLoader", "ShardSpeedEngine"]

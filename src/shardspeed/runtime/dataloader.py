@@ -1,0 +1,112 @@
+"""The training data loader `initialize` returns: each data-parallel rank reads its own share of
+the dataset in micro-batches, as DeepSpeed's `DeepSpeedDataLoader` does."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data.distributed import DistributedSampler
+
+
+class _EpochAwareSampler(DistributedSampler):
+    """A `DistributedSampler` that notes when the caller chose the epoch, so the loader knows whether
+    to advance it itself."""
+
+    epoch_chosen = False
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.epoch_chosen = True
+
+
+class DistributedDataLoader:
+    """Micro-batches of `dataset` for one data-parallel rank.
+
+    The rank's share comes from a `DistributedSampler` (shuffled with `seed` unless `shuffle` is
+    off; padded by repeating samples so every rank gets the same count). `iter(loader)` starts a new
+    pass and returns the loader itself; `next` raises `StopIteration` at the end of the pass and
+    keeps raising it until `iter` is called again. Each new pass reshuffles, unless `set_epoch` (or
+    `loader.data_sampler.set_epoch`) chose the epoch since the previous one.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        dp_rank: int,
+        dp_world_size: int,
+        *,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        shuffle: bool = True,
+        seed: int = 0,
+        sampler: Sampler | None = None,
+    ):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if sampler is None:
+            sampler = _EpochAwareSampler(
+                dataset, num_replicas=dp_world_size, rank=dp_rank, shuffle=shuffle, seed=seed
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.data_sampler = sampler
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.dataloader: DataLoader | None = None
+        self._batches: Iterator[Any] | None = None
+        self._passes = 0
+        # Counted from the sampler, which already holds only this rank's (padded) share.
+        if drop_last:
+            self.len = len(sampler) // batch_size
+        else:
+            self.len = math.ceil(len(sampler) / batch_size)
+
+    def __len__(self) -> int:
+        """Micro-batches per pass on this rank."""
+        return self.len
+
+    def __iter__(self) -> DistributedDataLoader:
+        """Start a new pass over this rank's share."""
+        self._advance_epoch()
+        self.dataloader = DataLoader(
+            self.dataset,
+            batch_size=self.batch_size,
+            sampler=self.data_sampler,
+            collate_fn=self.collate_fn,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            drop_last=self.drop_last,
+        )
+        self._batches = iter(self.dataloader)
+        return self
+
+    def __next__(self) -> Any:
+        """The next micro-batch; a first `next` without `iter` starts the first pass."""
+        if self._batches is None:
+            iter(self)
+        return next(self._batches)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use `epoch` to seed the shuffle of the next pass instead of advancing it automatically."""
+        if not hasattr(self.data_sampler, "set_epoch"):
+            raise TypeError(f"the sampler {type(self.data_sampler).__name__} has no set_epoch")
+        self.data_sampler.set_epoch(epoch)
+
+    def _advance_epoch(self) -> None:
+        # DeepSpeed 0.19.8 never advanced the epoch, so every pass repeated the same order; later
+        # DeepSpeed advances it once per pass unless the caller picked one, and so do we.
+        sampler = self.data_sampler
+        if not isinstance(sampler, _EpochAwareSampler):
+            return
+        if self._passes > 0 and not sampler.epoch_chosen:
+            sampler.set_epoch(sampler.epoch + 1)
+        sampler.epoch_chosen = False
+        self._passes += 1

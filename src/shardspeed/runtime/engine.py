@@ -1,0 +1,361 @@
+"""The engine: DeepSpeed's `DeepSpeedEngine` surface, orchestrating rooms that own the algorithms.
+
+Flow: config (validated) -> topology -> model placed and cast to its dtype -> optimizer built and
+wrapped (flat buffers, reduction, precision) -> scheduler -> data loader. Then per micro-step:
+forward -> backward (loss scaled, divided by accumulation steps; reduction overlaps backward on the
+boundary micro-step) -> step (acts only at the accumulation boundary).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm import Topology, get_local_rank
+from ..config import ShardSpeedConfig, optimizer_params, scheduler_params
+from ..config.errors import ConfigError
+from ..optim import build_optimizer, build_scheduler
+from ..precision import build_loss_scaler
+from ..zero import FlatOptimizer, ReduceOptions
+from .dataloader import DistributedDataLoader
+
+logger = logging.getLogger("shardspeed")
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class ShardSpeedEngine(nn.Module):
+    """What `shardspeed.initialize` returns first; wraps the user's model as `engine.module`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ShardSpeedConfig,
+        topology: Topology,
+        optimizer: torch.optim.Optimizer | Callable | None = None,
+        model_parameters: Any = None,
+        lr_scheduler: Any = None,
+        training_data: Any = None,
+        collate_fn: Callable | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.topology = topology
+        self.device = _device()
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._in_no_sync = False
+        self._timers: dict[str, float] = {}
+
+        self.dtype = _DTYPES[config.precision]
+        model.to(device=self.device)
+        if self.dtype != torch.float32:
+            model.to(dtype=self.dtype)
+        self.module = model
+
+        self.basic_optimizer = self._build_optimizer(optimizer, model_parameters)
+        self.optimizer = self._wrap_optimizer(self.basic_optimizer)
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.training_dataloader = (
+            self.deepspeed_io(training_data, collate_fn=collate_fn)
+            if training_data is not None
+            else None
+        )
+        self._prepare_micro_step()
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _build_optimizer(self, client: Any, model_parameters: Any) -> torch.optim.Optimizer | None:
+        params = model_parameters if model_parameters is not None else self.module.parameters()
+        if client is not None and self.config.optimizer is not None:
+            raise ConfigError(
+                "an optimizer was passed to initialize() and the config has an 'optimizer' "
+                "section: remove one (DeepSpeed silently prefers the client optimizer)"
+            )
+        if isinstance(client, torch.optim.Optimizer):
+            return client
+        if callable(client):
+            return client(params)
+        if client is not None:
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable, not {client!r}")
+        if self.config.optimizer is None:
+            return None
+        name, params_model = optimizer_params(self.config)
+        return build_optimizer(name, params_model, params)
+
+    def _wrap_optimizer(self, basic: torch.optim.Optimizer | None) -> FlatOptimizer | None:
+        if basic is None:
+            return None
+        config = self.config
+        fp16 = config.fp16
+        scaler = (
+            build_loss_scaler(
+                fp16.loss_scale,
+                fp16.initial_scale_power,
+                fp16.loss_scale_window,
+                fp16.hysteresis,
+                fp16.consecutive_hysteresis,
+                fp16.min_loss_scale,
+            )
+            if fp16.enabled
+            else None
+        )
+        overlap = config.zero_optimization.overlap_comm
+        reduce = ReduceOptions(
+            bucket_elements=config.zero_optimization.reduce_bucket_size,
+            comm_dtype=_DTYPES[config.communication_data_type]
+            if config.communication_data_type
+            else None,
+            prescale_gradients=config.prescale_gradients,
+            predivide_factor=config.gradient_predivide_factor,
+            overlap=True if overlap is None else overlap,
+        )
+        return FlatOptimizer(
+            self.module,
+            basic,
+            loss_scaler=scaler,
+            gradient_clipping=config.gradient_clipping,
+            skip_nonfinite=bool(config.bf16.check_grad_overflow),
+            dp_group=self.topology.dp_group,
+            dp_world_size=self.topology.dp_world_size,
+            reduce=reduce,
+        )
+
+    def _build_scheduler(self, client: Any) -> Any:
+        if client is not None and self.config.scheduler is not None:
+            raise ConfigError(
+                "an lr_scheduler was passed to initialize() and the config has a 'scheduler' "
+                "section: remove one"
+            )
+        if client is not None:
+            if callable(client) and not hasattr(client, "step"):
+                return client(self.basic_optimizer)
+            return client
+        if self.config.scheduler is None:
+            return None
+        if self.basic_optimizer is None:
+            raise ConfigError("'scheduler' needs an optimizer: add an 'optimizer' section")
+        name, params_model = scheduler_params(self.config)
+        return build_scheduler(name, params_model, self.basic_optimizer)
+
+    def deepspeed_io(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        route: Any = None,
+        pin_memory: bool = True,
+        data_sampler: Any = None,
+        collate_fn: Callable | None = None,
+        num_local_io_workers: int | None = None,
+    ) -> DistributedDataLoader:
+        """A loader giving each data-parallel rank its own micro-batches, as DeepSpeed's does."""
+        del route
+        return DistributedDataLoader(
+            dataset,
+            batch_size or self.train_micro_batch_size_per_gpu(),
+            self.topology.dp_rank,
+            self.topology.dp_world_size,
+            collate_fn=collate_fn,
+            drop_last=self.config.dataloader_drop_last,
+            num_workers=num_local_io_workers or 0,
+            pin_memory=pin_memory and self.device.type == "cuda",
+            sampler=data_sampler,
+        )
+
+    # -- attribute pass-through, as DeepSpeed's engine does ------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+    # -- the training step ----------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._prepare_micro_step()
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = _cast_floating((args, kwargs), torch.float16)
+        with self._timed("forward"):
+            return self.module(*args, **kwargs)
+
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
+        """Backpropagate `loss` (divided by the accumulation steps); returns that divided loss."""
+        if self.optimizer is None:
+            raise RuntimeError("backward() needs an optimizer: pass one or add an 'optimizer' section")
+        if loss.numel() != 1:
+            raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
+        self._prepare_micro_step()
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            loss = loss / self.gradient_accumulation_steps()
+        scale = self.optimizer.loss_scale
+        with self._timed("backward"):
+            (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            if self._reduces_this_micro_step():
+                self.optimizer.finish_reduction()
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Count the micro-step; at the accumulation boundary apply the update and step the LR."""
+        if self._in_no_sync:
+            raise RuntimeError("step() inside no_sync() is not allowed: leave the context first")
+        if self.optimizer is None:
+            raise RuntimeError("step() needs an optimizer: pass one or add an 'optimizer' section")
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            with self._timed("step"):
+                self._step_applied = self.optimizer.step()
+            if self._step_applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            else:
+                self.skipped_steps += 1
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self._report()
+        self.micro_steps += 1
+        self._prepare_micro_step()
+
+    def _reduces_this_micro_step(self) -> bool:
+        return self.is_gradient_accumulation_boundary() and not self._in_no_sync
+
+    def _prepare_micro_step(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.start_micro_step(self._reduces_this_micro_step())
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally without averaging them (as torch DDP's no_sync)."""
+        if self._in_no_sync:
+            raise RuntimeError("no_sync() is already active: it cannot be nested")
+        self._in_no_sync = True
+        self._prepare_micro_step()
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+            self._prepare_micro_step()
+
+    # -- reporting ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        if not self.config.wall_clock_breakdown:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self._timers[name] = self._timers.get(name, 0.0) + time.perf_counter() - start
+
+    def _report(self) -> None:
+        every = self.config.steps_per_print
+        if not every or self.global_steps % every or self.global_rank != 0:
+            return
+        lr = ", ".join(f"{v:.4e}" for v in self.get_lr())
+        line = f"step={self.global_steps}, skipped={self.skipped_steps}, lr=[{lr}]"
+        if self.fp16_enabled():
+            line += f", loss_scale={self.loss_scale:g}"
+        logger.info(line)
+        if self._timers:
+            times = " | ".join(f"{k}: {v * 1000 / every:.2f} ms" for k, v in self._timers.items())
+            logger.info("time per step (mean of %d): %s", every, times)
+            self._timers.clear()
+
+    # -- DeepSpeed's accessors --------------------------------------------------------------------
+
+    @property
+    def global_rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.topology.dp_world_size
+
+    @property
+    def local_rank(self) -> int:
+        return get_local_rank()
+
+    @property
+    def loss_scale(self) -> float:
+        return self.optimizer.loss_scale if self.optimizer is not None else 1.0
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.basic_optimizer.param_groups]
+
+    def get_mom(self) -> list[Any]:
+        return [
+            group.get("betas", (group.get("momentum"),))[0]
+            for group in self.basic_optimizer.param_groups
+        ]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.global_grad_norm if self.optimizer is not None else None
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", get_local_rank())
+    return torch.device("cpu")
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.is_floating_point() else tree
+    if isinstance(tree, tuple | list):
+        return type(tree)(_cast_floating(item, dtype) for item in tree)
+    if isinstance(tree, dict):
+        return {key: _cast_floating(value, dtype) for key, value in tree.items()}
+    return tree

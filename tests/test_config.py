@@ -1,0 +1,273 @@
+"""The config room: every section, the batch arithmetic, and a corpus of bad configs."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+
+import pytest
+
+from shardspeed.config import ConfigError, load_config, non_default_settings, resolve_batch
+from shardspeed.config.loader import optimizer_params, scheduler_params
+
+BASE = {"train_micro_batch_size_per_gpu": 2}
+
+
+def load(extra: dict, world: int = 1):
+    return load_config({**BASE, **extra}, world)
+
+
+# -- batch arithmetic -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "world", "expected"),
+    [
+        ((32, None, None), 1, (32, 32, 1)),  # only tbs: gas 1, micro = tbs / world
+        ((32, None, None), 4, (32, 8, 1)),
+        ((None, 4, None), 2, (8, 4, 1)),  # only micro: gas 1
+        ((None, 4, 3), 2, (24, 4, 3)),
+        ((32, 4, None), 2, (32, 4, 4)),  # gas derived
+        ((32, None, 4), 2, (32, 4, 4)),  # micro derived
+        ((16, 2, 2), 4, (16, 2, 2)),  # all three consistent
+    ],
+)
+def test_batch_arithmetic(given, world, expected):
+    assert resolve_batch(*given, world) == expected
+
+
+def test_batch_mismatch_shows_the_equation():
+    with pytest.raises(ConfigError, match=r"7\) != train_micro_batch_size_per_gpu \(2\) x .*= 2"):
+        resolve_batch(7, 2, 1, 1)
+
+
+def test_batch_not_divisible():
+    with pytest.raises(ConfigError, match="cannot derive 'gradient_accumulation_steps'"):
+        resolve_batch(10, 4, None, 1)
+
+
+def test_batch_needs_a_size():
+    with pytest.raises(ConfigError, match="set 'train_batch_size' or"):
+        load_config({"gradient_accumulation_steps": 2}, 1)
+
+
+def test_batch_uses_dp_world_size():
+    config = load_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, 4)
+    assert config.gradient_accumulation_steps == 2
+
+
+def test_auto_batch_resolved_when_determined():
+    config = load_config(
+        {
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2,
+        },
+        2,
+    )
+    assert config.train_batch_size == 16
+
+
+def test_auto_batch_refused_when_it_would_be_a_guess():
+    with pytest.raises(ConfigError, match="'gradient_accumulation_steps' is \"auto\" but"):
+        load_config({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"}, 1)
+
+
+# -- sections and defaults --------------------------------------------------------------------
+
+
+def test_defaults_follow_deepspeed_0_19_8():
+    config = load({})
+    assert config.gradient_clipping == 1.0
+    assert config.steps_per_print is None
+    assert config.fp16.initial_scale_power == 16
+    assert config.fp16.loss_scale_window == 1000
+    assert config.fp16.hysteresis == 2
+    assert config.fp16.min_loss_scale == 1.0
+    assert config.zero_optimization.stage == 0
+    assert config.zero_optimization.reduce_bucket_size == 500_000_000
+    assert config.precision == "fp32"
+
+
+def test_every_in_scope_section_is_read():
+    config = load(
+        {
+            "steps_per_print": 5,
+            "wall_clock_breakdown": True,
+            "gradient_clipping": 0.5,
+            "prescale_gradients": True,
+            "gradient_predivide_factor": 2.0,
+            "communication_data_type": "bf16",
+            "dataloader_drop_last": True,
+            "optimizer": {"type": "adamw", "params": {"lr": 0.01, "betas": [0.8, 0.9]}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+            "fp16": {
+                "enabled": True,
+                "auto_cast": True,
+                "loss_scale": 0,
+                "initial_scale_power": 12,
+                "loss_scale_window": 100,
+                "hysteresis": 3,
+                "consecutive_hysteresis": True,
+                "min_loss_scale": 0.5,
+            },
+            "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e7, "overlap_comm": False},
+        }
+    )
+    assert config.precision == "fp16"
+    assert config.fp16.hysteresis == 3 and config.fp16.consecutive_hysteresis
+    assert config.zero_optimization.reduce_bucket_size == 50_000_000
+    assert config.communication_data_type == "bf16"
+    name, params = optimizer_params(config)
+    assert name == "AdamW" and params.lr == 0.01 and tuple(params.betas) == (0.8, 0.9)
+    name, params = scheduler_params(config)
+    assert name == "WarmupLR" and params.warmup_num_steps == 10
+
+
+def test_bf16_and_its_alias(caplog):
+    assert load({"bf16": {"enabled": True}}).precision == "bf16"
+    with caplog.at_level(logging.WARNING, logger="shardspeed"):
+        assert load({"bfloat16": {"enabled": True}}).precision == "bf16"
+    assert "'bfloat16' is deprecated: use 'bf16'" in caplog.text
+
+
+def test_deprecated_zero_spellings_warn_and_map(caplog):
+    with caplog.at_level(logging.WARNING, logger="shardspeed"), pytest.raises(ConfigError) as err:
+        load(
+            {
+                "zero_optimization": {
+                    "stage": 0,
+                    "cpu_offload": True,
+                    "prefetch_bucket_size": 1000,
+                    "stage3_gather_fp16_weights_on_model_save": True,
+                }
+            }
+        )
+    assert "'zero_optimization.cpu_offload' is deprecated" in caplog.text
+    assert "use 'zero_optimization.stage3_prefetch_bucket_size'" in caplog.text
+    assert "use 'zero_optimization.stage3_gather_16bit_weights_on_model_save'" in caplog.text
+    # The modern keys they map to are later issues' work, so they are refused by their new names.
+    text = str(err.value)
+    assert "'zero_optimization.offload_optimizer' is a DeepSpeed key" in text
+    assert "'zero_optimization.stage3_prefetch_bucket_size'" in text
+    # A disabled deprecated flag maps to nothing and is accepted.
+    assert load({"zero_optimization": {"cpu_offload": False}}).zero_optimization.offload_optimizer is None
+
+
+def test_disabled_later_section_is_accepted():
+    config = load({"tensorboard": {"enabled": False, "output_path": "x"}})
+    assert config.tensorboard == {"enabled": False, "output_path": "x"}
+
+
+def test_config_from_json_file_and_base64(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8}))
+    assert load_config(str(path), 2).train_micro_batch_size_per_gpu == 4
+    encoded = base64.b64encode(json.dumps({"train_batch_size": 8}).encode()).decode()
+    assert load_config(encoded, 1).train_micro_batch_size_per_gpu == 8
+
+
+def test_duplicate_key_in_file_is_an_error(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8, "fp16": {"enabled": true, "enabled": false}}')
+    with pytest.raises(ConfigError, match="duplicate key 'enabled'"):
+        load_config(str(path), 1)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/no/such/ds_config.json", 1)
+
+
+def test_non_default_settings_lists_changes():
+    lines = non_default_settings(load({"gradient_clipping": 0.0, "fp16": {"enabled": True}}))
+    assert "gradient_clipping = 0.0 (default 1.0)" in lines
+    assert "fp16.enabled = True (default False)" in lines
+    assert not any(line.startswith("bf16") for line in lines)
+
+
+def test_auto_bucket_size_uses_default():
+    assert load({"zero_optimization": {"reduce_bucket_size": "auto"}}).zero_optimization.reduce_bucket_size == 500_000_000
+
+
+# -- the corpus of bad configs: each error names the key path -----------------------------------
+
+BAD_CONFIGS = [
+    ({"trian_batch_size": 4}, "unknown key 'trian_batch_size' (did you mean 'train_batch_size'?)"),
+    ({"zero_optimization": {"stag": 0}}, "unknown key 'zero_optimization.stag' (did you mean 'stage'?)"),
+    ({"zero_optimization": {"overlap_comms": True}}, "did you mean 'overlap_comm'?"),
+    ({"bf16": {"enabeld": True}}, "unknown key 'bf16.enabeld' (did you mean 'enabled'?)"),
+    ({"fp16": {"loss_scale_windows": 10}}, "'fp16.loss_scale_windows'"),
+    ({"fp16": {"enabled": "yes"}}, "'fp16.enabled'"),
+    ({"fp16": {"loss_scale": -1}}, "'fp16.loss_scale'"),
+    ({"fp16": {"hysteresis": 0}}, "'fp16.hysteresis'"),
+    ({"fp16": {"loss_scale_window": 1.5}}, "'fp16.loss_scale_window'"),
+    ({"gradient_clipping": "abc"}, "'gradient_clipping'"),
+    ({"gradient_clipping": -1.0}, "'gradient_clipping'"),
+    ({"gradient_clipping": "auto"}, "'gradient_clipping' is \"auto\""),
+    ({"fp16": {"enabled": "auto"}}, "'fp16.enabled' is \"auto\""),
+    ({"optimizer": {"type": "Adam", "params": {"lr": "auto"}}}, "'optimizer.params.lr' is \"auto\""),
+    ({"zero_optimization": {"stage": 5}}, "'zero_optimization.stage'"),
+    ({"zero_optimization": {"stage": 2}}, "'zero_optimization.stage' 2 is not supported yet (issue 3"),
+    ({"zero_optimization": {"stage": 3}}, "'zero_optimization.stage' 3 is not supported yet (issue 4"),
+    ({"zero_optimization": {"reduce_scatter": False}}, "'zero_optimization.reduce_scatter' is a DeepSpeed key"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "'zero_optimization.offload_optimizer'"),
+    ({"zero_optimization": {"mics_shard_size": 2}}, "'zero_optimization.mics_shard_size' is removed"),
+    ({"zero_optimization": {"contiguous_gradients": False}}, "'zero_optimization.contiguous_gradients'"),
+    ({"communication_data_type": "fp8"}, "'communication_data_type'"),
+    ({"steps_per_print": 0}, "'steps_per_print'"),
+    ({"gradient_predivide_factor": 0}, "'gradient_predivide_factor'"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true: choose one"),
+    ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "both 'bfloat16' and its modern name 'bf16'"),
+    ({"amp": {"enabled": True}}, "'amp' is removed in DeepSpeed 0.19.8"),
+    ({"elasticity": {"enabled": True}}, "'elasticity' is removed"),
+    ({"activation_checkpointing": {"partition_activations": True}}, "'activation_checkpointing' is a DeepSpeed key that shardspeed does not support yet (issue 8"),
+    ({"pipeline": {"stages": 2}}, "'pipeline' is a DeepSpeed key that shardspeed does not support yet (issue 7"),
+    ({"checkpoint": {"tag_validation": "Fail"}}, "'checkpoint' is a DeepSpeed key that shardspeed does not support yet (issue 5"),
+    ({"tensorboard": {"enabled": True}}, "'tensorboard'"),
+    ({"hybrid_engine": {"enabled": True}}, "(issue 10"),
+    ({"gradient_allreduce_op": "sum"}, "'gradient_allreduce_op'"),
+    ({"fp16": {"fp16_master_weights_and_grads": True}}, "'fp16.fp16_master_weights_and_grads'"),
+    ({"bf16": {"check_grad_overflow": False}}, "'bf16.check_grad_overflow'"),
+    ({"optimizer": {"type": "AdamWW"}}, "'optimizer.type': unknown type 'AdamWW' (did you mean 'AdamW'?)"),
+    ({"optimizer": {"type": "Adam", "params": {"wieght_decay": 0.1}}}, "unknown key 'optimizer.params.wieght_decay' (did you mean 'weight_decay'?)"),
+    ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "'optimizer.params.max_grad_norm' is not accepted here: use the top-level 'gradient_clipping'"),
+    ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, "'optimizer.params.betas"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": -1}}}, "'optimizer.params.lr'"),
+    ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, "'optimizer.params.bias_correction'"),
+    ({"optimizer": {"params": {"lr": 1}}}, "'optimizer.type' is required"),
+    ({"optimizer": {"type": "Adam", "param": {}}}, "unknown key 'optimizer.param' (did you mean 'params'?)"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 10}}}, "unknown key 'scheduler.params.warmup_num_step' (did you mean 'warmup_num_steps'?)"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "'scheduler.params.total_num_steps' is required"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}}, "'scheduler.params.warmup_type'"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, "'scheduler.params.warmup_num_steps'"),
+    ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1}}}, "'scheduler.params.cycle_max_lr' is required"),
+    ({"scheduler": {"type": "Cosine"}}, "'scheduler.type': unknown type 'Cosine'"),
+]
+
+
+@pytest.mark.parametrize(("extra", "expected"), BAD_CONFIGS, ids=[str(i) for i in range(len(BAD_CONFIGS))])
+def test_bad_config_names_the_key(extra, expected):
+    with pytest.raises(ConfigError) as err:
+        load(extra)
+    assert expected in str(err.value)
+
+
+def test_all_problems_reported_together():
+    with pytest.raises(ConfigError) as err:
+        load({"fp16": {"enabeld": True}, "zero_optimization": {"stag": 1}})
+    assert len(err.value.problems) == 2
+
+
+def test_error_lists_allowed_keys():
+    with pytest.raises(ConfigError) as err:
+        load({"fp16": {"xyz": 1}})
+    assert "allowed keys: enabled, auto_cast, loss_scale" in str(err.value)
+
+
+def test_input_dict_is_not_modified():
+    raw = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bfloat16": {"enabled": True}}
+    snapshot = json.loads(json.dumps(raw))
+    load_config(raw, 1)
+    assert raw == snapshot

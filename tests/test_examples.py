@@ -1,0 +1,142 @@
+"""Fast checks of the demo's model (examples/gpt.py) and corpus (examples/corpus.py)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+from corpus import ByteDataset, build_corpus, stdlib_docstrings  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
+
+SMALL = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+@pytest.fixture(scope="module")
+def stdlib_bytes(tmp_path_factory) -> bytes:
+    return build_corpus(cache_dir=tmp_path_factory.mktemp("corpus"))
+
+
+def test_forward_shapes():
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    idx = torch.randint(0, 256, (3, 17))
+    logits = model(idx)
+    assert logits.shape == (3, 17, 256)
+    loss = model(idx, torch.randint(0, 256, (3, 17)))
+    assert loss.shape == ()
+
+
+def test_initial_loss_is_near_uniform():
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    idx = torch.randint(0, 256, (4, SMALL.block_size))
+    loss = model(idx, torch.randint(0, 256, idx.shape)).item()
+    assert abs(loss - math.log(256)) < 0.1
+
+
+def test_backward_reaches_every_parameter():
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    idx = torch.randint(0, 256, (2, SMALL.block_size))
+    model(idx, idx).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert missing == []
+
+
+def test_default_model_size_is_small():
+    n = GPT().num_parameters()
+    assert 100_000 < n < 5_000_000
+
+
+def test_too_long_sequence_is_refused():
+    model = GPT(SMALL)
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, SMALL.block_size + 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, None), (0.8, 5), (0.0, None)])
+def test_generate_length(temperature, top_k):
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    prompt = torch.tensor([list(b"def ")])
+    out = model.generate(prompt, 50, temperature=temperature, top_k=top_k)  # runs past block_size
+    assert out.shape == (1, 4 + 50)
+    assert torch.equal(out[:, :4], prompt)
+    assert int(out.min()) >= 0 and int(out.max()) < 256
+    assert model.training  # mode restored
+
+
+def test_generate_is_reproducible_with_generator():
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    prompt = torch.tensor([list(b"x")])
+    a = model.generate(prompt, 20, top_k=10, generator=torch.Generator().manual_seed(1))
+    b = model.generate(prompt, 20, top_k=10, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+
+
+def test_state_dict_round_trips_through_safetensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    save_file(model.state_dict(), str(tmp_path / "m.safetensors"))  # no shared tensors
+    again = GPT(GPTConfig.from_dict(SMALL.to_dict()))
+    again.load_state_dict(load_file(str(tmp_path / "m.safetensors")))
+    idx = torch.randint(0, 256, (1, 8))
+    assert torch.equal(model(idx), again(idx))
+
+
+def test_stdlib_corpus_is_nontrivial_text(stdlib_bytes):
+    assert 200_000 < len(stdlib_bytes) < 8_000_000
+    text = stdlib_bytes.decode("utf-8")
+    assert "# module json" in text
+    assert "Return" in text
+
+
+def test_stdlib_corpus_is_deterministic(stdlib_bytes, tmp_path):
+    # A fresh build (not the cached file) gives the same bytes, and the cache returns them too.
+    assert stdlib_docstrings().encode("utf-8") == stdlib_bytes
+    first = build_corpus(cache_dir=tmp_path)
+    assert build_corpus(cache_dir=tmp_path) == first == stdlib_bytes
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_user_text_file(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes("héllo world\n".encode())
+    assert build_corpus(cache_dir=tmp_path / "c", data_file=str(f)) == "héllo world\n".encode()
+
+
+def test_dataset_windows_are_shifted_by_one():
+    data = bytes(range(200))
+    ds = ByteDataset(data, block_size=16)
+    assert len(ds) == (200 - 17) // 16 + 1
+    for i in (0, 5, len(ds) - 1):
+        x, y = ds[i]
+        assert x.dtype == torch.long and x.shape == y.shape == (16,)
+        assert torch.equal(x[1:], y[:-1])
+        assert x[0].item() == 16 * i and y[-1].item() == 16 * i + 16
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+
+
+def test_dataset_on_corpus_is_deterministic(stdlib_bytes):
+    a = ByteDataset(stdlib_bytes, block_size=64)
+    b = ByteDataset(stdlib_bytes, block_size=64)
+    assert len(a) > 1000
+    for i in (0, 123, len(a) - 1):
+        assert torch.equal(a[i][0], b[i][0]) and torch.equal(a[i][1], b[i][1])
+        assert torch.equal(a[i][0][1:], a[i][1][:-1])
+
+
+def test_dataset_refuses_tiny_corpus():
+    with pytest.raises(ValueError):
+        ByteDataset(b"abc", block_size=8)
