@@ -95,6 +95,7 @@ class GradientReducer:
                 self.grads[bucket.start : bucket.end].mul_(self.post_scale)
             bucket.ready, bucket.work, bucket.staging = 0, None, None
         self._next = len(self._buckets)
+        self.active = False  # done for this step: a second call must not scale again
 
     def reset(self) -> None:
         """Start a new micro-step: no bucket launched yet."""
