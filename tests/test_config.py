@@ -152,7 +152,10 @@ def test_deprecated_zero_spellings_warn_and_map(caplog):
     assert "'zero_optimization.offload_optimizer' is a DeepSpeed key" in text
     assert "'zero_optimization.stage3_prefetch_bucket_size'" in text
     # A disabled deprecated flag maps to nothing and is accepted.
-    assert load({"zero_optimization": {"cpu_offload": False}}).zero_optimization.offload_optimizer is None
+    assert (
+        load({"zero_optimization": {"cpu_offload": False}}).zero_optimization.offload_optimizer
+        is None
+    )
 
 
 def test_disabled_later_section_is_accepted():
@@ -188,14 +191,22 @@ def test_non_default_settings_lists_changes():
 
 
 def test_auto_bucket_size_uses_default():
-    assert load({"zero_optimization": {"reduce_bucket_size": "auto"}}).zero_optimization.reduce_bucket_size == 500_000_000
+    assert (
+        load(
+            {"zero_optimization": {"reduce_bucket_size": "auto"}}
+        ).zero_optimization.reduce_bucket_size
+        == 500_000_000
+    )
 
 
 # -- the corpus of bad configs: each error names the key path -----------------------------------
 
 BAD_CONFIGS = [
     ({"trian_batch_size": 4}, "unknown key 'trian_batch_size' (did you mean 'train_batch_size'?)"),
-    ({"zero_optimization": {"stag": 0}}, "unknown key 'zero_optimization.stag' (did you mean 'stage'?)"),
+    (
+        {"zero_optimization": {"stag": 0}},
+        "unknown key 'zero_optimization.stag' (did you mean 'stage'?)",
+    ),
     ({"zero_optimization": {"overlap_comms": True}}, "did you mean 'overlap_comm'?"),
     ({"bf16": {"enabeld": True}}, "unknown key 'bf16.enabeld' (did you mean 'enabled'?)"),
     ({"fp16": {"loss_scale_windows": 10}}, "'fp16.loss_scale_windows'"),
@@ -207,47 +218,112 @@ BAD_CONFIGS = [
     ({"gradient_clipping": -1.0}, "'gradient_clipping'"),
     ({"gradient_clipping": "auto"}, "'gradient_clipping' is \"auto\""),
     ({"fp16": {"enabled": "auto"}}, "'fp16.enabled' is \"auto\""),
-    ({"optimizer": {"type": "Adam", "params": {"lr": "auto"}}}, "'optimizer.params.lr' is \"auto\""),
+    (
+        {"optimizer": {"type": "Adam", "params": {"lr": "auto"}}},
+        "'optimizer.params.lr' is \"auto\"",
+    ),
     ({"zero_optimization": {"stage": 5}}, "'zero_optimization.stage'"),
-    ({"zero_optimization": {"stage": 2}}, "'zero_optimization.stage' 2 is not supported yet (issue 3"),
-    ({"zero_optimization": {"stage": 3}}, "'zero_optimization.stage' 3 is not supported yet (issue 4"),
-    ({"zero_optimization": {"reduce_scatter": False}}, "'zero_optimization.reduce_scatter' is a DeepSpeed key"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "'zero_optimization.offload_optimizer'"),
-    ({"zero_optimization": {"mics_shard_size": 2}}, "'zero_optimization.mics_shard_size' is removed"),
-    ({"zero_optimization": {"contiguous_gradients": False}}, "'zero_optimization.contiguous_gradients'"),
+    (
+        {"zero_optimization": {"stage": 2}},
+        "'zero_optimization.stage' 2 is not supported yet (issue 3",
+    ),
+    (
+        {"zero_optimization": {"stage": 3}},
+        "'zero_optimization.stage' 3 is not supported yet (issue 4",
+    ),
+    (
+        {"zero_optimization": {"reduce_scatter": False}},
+        "'zero_optimization.reduce_scatter' is a DeepSpeed key",
+    ),
+    (
+        {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+        "'zero_optimization.offload_optimizer'",
+    ),
+    (
+        {"zero_optimization": {"mics_shard_size": 2}},
+        "'zero_optimization.mics_shard_size' is removed",
+    ),
+    (
+        {"zero_optimization": {"contiguous_gradients": False}},
+        "'zero_optimization.contiguous_gradients'",
+    ),
     ({"communication_data_type": "fp8"}, "'communication_data_type'"),
     ({"steps_per_print": 0}, "'steps_per_print'"),
     ({"gradient_predivide_factor": 0}, "'gradient_predivide_factor'"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true: choose one"),
-    ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "both 'bfloat16' and its modern name 'bf16'"),
+    (
+        {"bf16": {"enabled": True}, "bfloat16": {"enabled": True}},
+        "both 'bfloat16' and its modern name 'bf16'",
+    ),
     ({"amp": {"enabled": True}}, "'amp' is removed in DeepSpeed 0.19.8"),
     ({"elasticity": {"enabled": True}}, "'elasticity' is removed"),
-    ({"activation_checkpointing": {"partition_activations": True}}, "'activation_checkpointing' is a DeepSpeed key that shardspeed does not support yet (issue 8"),
-    ({"pipeline": {"stages": 2}}, "'pipeline' is a DeepSpeed key that shardspeed does not support yet (issue 7"),
-    ({"checkpoint": {"tag_validation": "Fail"}}, "'checkpoint' is a DeepSpeed key that shardspeed does not support yet (issue 5"),
+    (
+        {"activation_checkpointing": {"partition_activations": True}},
+        "'activation_checkpointing' is a DeepSpeed key that shardspeed does not support yet (issue 8",
+    ),
+    (
+        {"pipeline": {"stages": 2}},
+        "'pipeline' is a DeepSpeed key that shardspeed does not support yet (issue 7",
+    ),
+    (
+        {"checkpoint": {"tag_validation": "Fail"}},
+        "'checkpoint' is a DeepSpeed key that shardspeed does not support yet (issue 5",
+    ),
     ({"tensorboard": {"enabled": True}}, "'tensorboard'"),
     ({"hybrid_engine": {"enabled": True}}, "(issue 10"),
     ({"gradient_allreduce_op": "sum"}, "'gradient_allreduce_op'"),
     ({"fp16": {"fp16_master_weights_and_grads": True}}, "'fp16.fp16_master_weights_and_grads'"),
     ({"bf16": {"check_grad_overflow": False}}, "'bf16.check_grad_overflow'"),
-    ({"optimizer": {"type": "AdamWW"}}, "'optimizer.type': unknown type 'AdamWW' (did you mean 'AdamW'?)"),
-    ({"optimizer": {"type": "Adam", "params": {"wieght_decay": 0.1}}}, "unknown key 'optimizer.params.wieght_decay' (did you mean 'weight_decay'?)"),
-    ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "'optimizer.params.max_grad_norm' is not accepted here: use the top-level 'gradient_clipping'"),
+    (
+        {"optimizer": {"type": "AdamWW"}},
+        "'optimizer.type': unknown type 'AdamWW' (did you mean 'AdamW'?)",
+    ),
+    (
+        {"optimizer": {"type": "Adam", "params": {"wieght_decay": 0.1}}},
+        "unknown key 'optimizer.params.wieght_decay' (did you mean 'weight_decay'?)",
+    ),
+    (
+        {"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}},
+        "'optimizer.params.max_grad_norm' is not accepted here: use the top-level 'gradient_clipping'",
+    ),
     ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, "'optimizer.params.betas"),
     ({"optimizer": {"type": "Adam", "params": {"lr": -1}}}, "'optimizer.params.lr'"),
-    ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, "'optimizer.params.bias_correction'"),
+    (
+        {"optimizer": {"type": "Adam", "params": {"bias_correction": False}}},
+        "'optimizer.params.bias_correction'",
+    ),
     ({"optimizer": {"params": {"lr": 1}}}, "'optimizer.type' is required"),
-    ({"optimizer": {"type": "Adam", "param": {}}}, "unknown key 'optimizer.param' (did you mean 'params'?)"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 10}}}, "unknown key 'scheduler.params.warmup_num_step' (did you mean 'warmup_num_steps'?)"),
-    ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "'scheduler.params.total_num_steps' is required"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}}, "'scheduler.params.warmup_type'"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, "'scheduler.params.warmup_num_steps'"),
-    ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1}}}, "'scheduler.params.cycle_max_lr' is required"),
+    (
+        {"optimizer": {"type": "Adam", "param": {}}},
+        "unknown key 'optimizer.param' (did you mean 'params'?)",
+    ),
+    (
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 10}}},
+        "unknown key 'scheduler.params.warmup_num_step' (did you mean 'warmup_num_steps'?)",
+    ),
+    (
+        {"scheduler": {"type": "WarmupDecayLR", "params": {}}},
+        "'scheduler.params.total_num_steps' is required",
+    ),
+    (
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}},
+        "'scheduler.params.warmup_type'",
+    ),
+    (
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}},
+        "'scheduler.params.warmup_num_steps'",
+    ),
+    (
+        {"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1}}},
+        "'scheduler.params.cycle_max_lr' is required",
+    ),
     ({"scheduler": {"type": "Cosine"}}, "'scheduler.type': unknown type 'Cosine'"),
 ]
 
 
-@pytest.mark.parametrize(("extra", "expected"), BAD_CONFIGS, ids=[str(i) for i in range(len(BAD_CONFIGS))])
+@pytest.mark.parametrize(
+    ("extra", "expected"), BAD_CONFIGS, ids=[str(i) for i in range(len(BAD_CONFIGS))]
+)
 def test_bad_config_names_the_key(extra, expected):
     with pytest.raises(ConfigError) as err:
         load(extra)
@@ -267,7 +343,12 @@ def test_error_lists_allowed_keys():
 
 
 def test_input_dict_is_not_modified():
-    raw = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bfloat16": {"enabled": True}}
+    raw = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "bfloat16": {"enabled": True},
+    }
     snapshot = json.loads(json.dumps(raw))
     load_config(raw, 1)
     assert raw == snapshot

@@ -24,7 +24,9 @@ LR = 0.01
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+    )
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +231,7 @@ def test_backward_returns_loss_divided_by_accumulation():
 def train_with_inf(precision: dict) -> dict:
     """Rank 1 feeds an inf at step 2; every rank must skip that step together."""
     model = make_model()
-    engine, _, _, scheduler = shardspeed.initialize(
+    engine, *_ = shardspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
         config={
@@ -290,7 +292,9 @@ def test_bf16_check_grad_overflow_skips(pool2):
 
 
 def test_nonfinite_gradient_in_fp32_stops_with_the_parameter_named(pool2):
-    with pytest.raises(Exception, match=r"non-finite gradient .* in parameter '\d+\.(weight|bias)'"):
+    with pytest.raises(
+        Exception, match=r"non-finite gradient .* in parameter '\d+\.(weight|bias)'"
+    ):
         pool2.run(train_with_inf, {})
 
 
@@ -344,7 +348,9 @@ def unused_parameter_run() -> dict:
         **config(4, zero_optimization={"reduce_bucket_size": 30}),
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
     }
-    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=no_decay)
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=no_decay
+    )
     x, y = batch(0)
     rank = engine.global_rank
     engine.backward(F.mse_loss(engine(x[rank * 4 :][:4]), y[rank * 4 :][:4]))
@@ -401,9 +407,14 @@ def test_client_optimizer_and_config_optimizer_conflict():
 def loader_run() -> list[float]:
     data = [(torch.full((2,), float(i)), torch.zeros(1)) for i in range(8)]
     model = nn.Linear(2, 1)
-    engine, _, loader, _ = shardspeed.initialize(
-        model=model, model_parameters=model.parameters(), training_data=data,
-        config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+    _, _, loader, _ = shardspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        training_data=data,
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        },
     )
     return sorted(float(x[0]) for xs, _ in loader for x in xs)
 

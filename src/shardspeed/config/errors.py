@@ -11,7 +11,9 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: str | list[str]):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
-        super().__init__("invalid shardspeed/DeepSpeed config:\n  - " + "\n  - ".join(self.problems))
+        super().__init__(
+            "invalid shardspeed/DeepSpeed config:\n  - " + "\n  - ".join(self.problems)
+        )
 
 
 def closest(name: str, choices: Iterable[str]) -> str | None:

@@ -275,9 +275,13 @@ def _auto_locations(node: Any, loc: tuple) -> list[tuple]:
     if node == "auto":
         return [loc]
     if isinstance(node, dict):
-        return [found for key, value in node.items() for found in _auto_locations(value, (*loc, key))]
+        return [
+            found for key, value in node.items() for found in _auto_locations(value, (*loc, key))
+        ]
     if isinstance(node, list):
-        return [found for i, value in enumerate(node) for found in _auto_locations(value, (*loc, i))]
+        return [
+            found for i, value in enumerate(node) for found in _auto_locations(value, (*loc, i))
+        ]
     return []
 
 

@@ -44,7 +44,9 @@ class FP16Config(StrictModel):
 
     enabled: bool = False
     auto_cast: bool = False
-    loss_scale: float = Field(0.0, ge=0.0, description="0 means dynamic scaling; > 0 a static scale")
+    loss_scale: float = Field(
+        0.0, ge=0.0, description="0 means dynamic scaling; > 0 a static scale"
+    )
     initial_scale_power: NonNegativeInt = Field(16, le=63)
     loss_scale_window: PositiveInt = 1000
     hysteresis: PositiveInt = 2

@@ -86,7 +86,9 @@ class ShardSpeedEngine(nn.Module):
         if callable(client):
             return client(params)
         if client is not None:
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable, not {client!r}")
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer or a callable, not {client!r}"
+            )
         if self.config.optimizer is None:
             return None
         name, params_model = optimizer_params(self.config)
@@ -196,7 +198,9 @@ class ShardSpeedEngine(nn.Module):
     ) -> torch.Tensor:
         """Backpropagate `loss` (divided by the accumulation steps); returns that divided loss."""
         if self.optimizer is None:
-            raise RuntimeError("backward() needs an optimizer: pass one or add an 'optimizer' section")
+            raise RuntimeError(
+                "backward() needs an optimizer: pass one or add an 'optimizer' section"
+            )
         if loss.numel() != 1:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
         self._prepare_micro_step()

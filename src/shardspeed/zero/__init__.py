@@ -4,4 +4,10 @@ from .flat import FlatLayout
 from .optimizer import FlatOptimizer, NonFiniteGradientError, ReduceOptions
 from .reducer import GradientReducer
 
-__all__ = ["FlatLayout", "FlatOptimizer", "GradientReducer", "NonFiniteGradientError", "ReduceOptions"]
+__all__ = [
+    "FlatLayout",
+    "FlatOptimizer",
+    "GradientReducer",
+    "NonFiniteGradientError",
+    "ReduceOptions",
+]

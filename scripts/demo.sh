@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# The main job: train a small GPT on 2 processes, then sample from the trained checkpoint.
+source "$(dirname "$0")/_venv.sh"
+exec .venv/bin/shardspeed --num_procs 2 examples/train_gpt.py \
+  --deepspeed_config examples/ds_config.json "$@"
