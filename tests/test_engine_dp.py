@@ -431,3 +431,21 @@ def test_engine_passes_attributes_to_module():
     engine, *_ = shardspeed.initialize(model=copy.deepcopy(model), config=config(8))
     assert engine.custom_value == 42
     assert engine.train_batch_size() == 8 and engine.gradient_accumulation_steps() == 1
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_frozen_parameters_stay_frozen(precision):
+    model = make_model()
+    model[0].requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config(8, **extra)
+    )
+    x, y = batch(0)
+    dtype = next(engine.module.parameters()).dtype
+    before = model[4].weight.detach().float().clone()
+    engine.backward(F.mse_loss(engine(x.to(dtype)).float(), y))
+    engine.step()
+    assert model[0].weight.detach().float().equal(frozen.to(dtype).float())
+    assert not model[4].weight.detach().float().equal(before)

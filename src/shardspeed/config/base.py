@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def _integral(value: Any) -> Any:
+    # JSON configs routinely write counts and sizes as 5e8; accept a float only when it is whole.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+PositiveInt = Annotated[int, BeforeValidator(_integral), Field(gt=0)]
+NonNegativeInt = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
 
 
 class StrictModel(BaseModel):

@@ -349,7 +349,8 @@ def _check_params(config: ShardSpeedConfig) -> list[str]:
 
 
 def _unknown_type(section: str, name: str, known: Mapping[str, Any]) -> str:
-    hint = closest(name, known) or closest(name.lower(), [k.lower() for k in known])
+    by_lower = {k.lower(): k for k in known}
+    hint = closest(name, known) or by_lower.get(closest(name.lower(), by_lower) or "")
     suggestion = f" (did you mean '{hint}'?)" if hint else ""
     return f"'{section}.type': unknown type {name!r}{suggestion}; allowed: {', '.join(known)}"
 

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from shardspeed.config.base import StrictModel
+from shardspeed.config.base import Int, NonNegativeInt, PositiveInt, StrictModel
 
 __all__ = [
     "SCHEDULER_PARAMS",
@@ -27,9 +27,7 @@ Ratio = Annotated[float, Field(ge=0.0, le=1.0)]
 Momentum = Annotated[float, Field(ge=0.0, lt=1.0)]
 PerGroupLr = NonNegFloat | Annotated[list[NonNegFloat], Field(min_length=1)]
 PerGroupMomentum = Momentum | Annotated[list[Momentum], Field(min_length=1)]
-PosInt = Annotated[int, Field(gt=0)]
-NonNegInt = Annotated[int, Field(ge=0)]
-LastBatch = Annotated[int, Field(ge=-1)]
+LastBatch = Annotated[Int, Field(ge=-1)]
 WarmupType = Literal["log", "linear"]
 
 
@@ -38,7 +36,7 @@ class WarmupLRParams(StrictModel):
 
     warmup_min_lr: PerGroupLr = 0.0
     warmup_max_lr: PerGroupLr | None = None
-    warmup_num_steps: PosInt = 1000
+    warmup_num_steps: PositiveInt = 1000
     warmup_type: WarmupType = "log"
     last_batch_iteration: LastBatch = -1
 
@@ -46,10 +44,10 @@ class WarmupLRParams(StrictModel):
 class WarmupDecayLRParams(StrictModel):
     """WarmupDecayLR: WarmupLR's warmup, then a linear decay to 0 at `total_num_steps`."""
 
-    total_num_steps: PosInt
+    total_num_steps: PositiveInt
     warmup_min_lr: PerGroupLr = 0.0
     warmup_max_lr: PerGroupLr | None = 0.001
-    warmup_num_steps: PosInt = 1000
+    warmup_num_steps: PositiveInt = 1000
     warmup_type: WarmupType = "log"
     last_batch_iteration: LastBatch = -1
 
@@ -57,9 +55,9 @@ class WarmupDecayLRParams(StrictModel):
 class WarmupCosineLRParams(StrictModel):
     """WarmupCosineLR: ratios of the optimizer's lr; warm up to 1, then cosine down to `cos_min_ratio`."""
 
-    total_num_steps: PosInt
+    total_num_steps: PositiveInt
     warmup_min_ratio: Ratio = 0.0
-    warmup_num_steps: PosInt = 1000
+    warmup_num_steps: PositiveInt = 1000
     cos_min_ratio: Ratio = 0.0001
     warmup_type: WarmupType = "log"
     last_batch_iteration: LastBatch = -1
@@ -71,11 +69,11 @@ class OneCycleParams(StrictModel):
     cycle_min_lr: PerGroupLr
     cycle_max_lr: PerGroupLr
     decay_lr_rate: NonNegFloat = 0.0
-    cycle_first_step_size: PosInt = 2000
-    cycle_second_step_size: NonNegInt | None = None
-    cycle_first_stair_count: NonNegInt = 0
-    cycle_second_stair_count: NonNegInt | None = None
-    decay_step_size: NonNegInt = 0
+    cycle_first_step_size: PositiveInt = 2000
+    cycle_second_step_size: NonNegativeInt | None = None
+    cycle_first_stair_count: NonNegativeInt = 0
+    cycle_second_stair_count: NonNegativeInt | None = None
+    decay_step_size: NonNegativeInt = 0
     cycle_momentum: bool = True
     cycle_min_mom: PerGroupMomentum = 0.8
     cycle_max_mom: PerGroupMomentum = 0.9
@@ -87,7 +85,7 @@ class LRRangeTestParams(StrictModel):
     """LRRangeTest: grow the lr from `lr_range_test_min_lr` by `step_rate` every `step_size` steps."""
 
     lr_range_test_min_lr: PerGroupLr = 1e-3
-    lr_range_test_step_size: PosInt = 2000
+    lr_range_test_step_size: PositiveInt = 2000
     lr_range_test_step_rate: NonNegFloat = 1.0
     lr_range_test_staircase: bool = False
     last_batch_iteration: LastBatch = -1

@@ -8,23 +8,12 @@ non-default value for them rather than accepting and ignoring it.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import Field, field_validator
 
-from .base import StrictModel
+from .base import NonNegativeInt, PositiveInt, StrictModel
 
-
-def _integral(value: Any) -> Any:
-    # JSON configs routinely write sizes as 5e8; accept a float only when it is a whole number.
-    if isinstance(value, float) and not isinstance(value, bool) and value.is_integer():
-        return int(value)
-    return value
-
-
-Int = Annotated[int, BeforeValidator(_integral)]
-PositiveInt = Annotated[int, BeforeValidator(_integral), Field(gt=0)]
-NonNegativeInt = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
 Section = dict[str, Any] | None
 
 ISSUE_ZERO12 = "issue 3 (ZeRO stages 1 and 2)"

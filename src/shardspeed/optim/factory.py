@@ -46,17 +46,23 @@ def _check_params(kind: str, name: str, params: StrictModel, table: dict) -> Non
             raise ValueError(f"{kind} {name!r}: '{field}' is not supported ({reason})")
 
 
-def _tensors(param_list: list[Any]) -> list[torch.Tensor]:
-    """The tensors in what torch optimizers accept: tensors, (name, tensor) pairs or group dicts."""
-    found = []
-    for item in param_list:
+def _materialise(model_parameters: Iterable[Any]) -> list[Any]:
+    """What torch optimizers accept (tensors, (name, tensor) pairs or group dicts), with every
+    iterator turned into a list, so the tensors can be inspected and still reach the optimizer."""
+    out = []
+    for item in model_parameters:
         if isinstance(item, dict):
             group = item["params"]
-            found += _tensors([group] if torch.is_tensor(group) else list(group))
-        elif isinstance(item, tuple):
-            found.append(item[1])
-        else:
-            found.append(item)
+            item = {**item, "params": [group] if torch.is_tensor(group) else list(group)}
+        out.append(item)
+    return out
+
+
+def _tensors(param_list: list[Any]) -> list[torch.Tensor]:
+    found = []
+    for item in param_list:
+        for entry in item["params"] if isinstance(item, dict) else [item]:
+            found.append(entry[1] if isinstance(entry, tuple) else entry)
     return found
 
 
@@ -95,7 +101,7 @@ def build_optimizer(
     FusedLamb-equivalent; `SGD` and `Adagrad` are torch's own.
     """
     _check_params("optimizer", name, params, OPTIMIZER_PARAMS)
-    param_list = list(model_parameters)
+    param_list = _materialise(model_parameters)
     if isinstance(params, AdamParams):
         return _adam(params, param_list)
     if name == "Lamb":

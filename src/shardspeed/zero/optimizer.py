@@ -233,7 +233,8 @@ class FlatOptimizer:
 
 def _managed_parameters(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     """The optimizer's parameters in reverse model order (roughly the order backward produces them)."""
-    in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
+    # Frozen parameters get no gradient; the optimizer may list them but they stay out of the buffers.
+    in_optimizer = {p for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
     ordered = [p for p in module.parameters() if p in in_optimizer]
     if len(ordered) != len(in_optimizer):
         raise ValueError(
@@ -247,7 +248,7 @@ def _managed_parameters(module: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 def _swap_optimizer_params(optimizer: torch.optim.Optimizer, mapping: dict) -> None:
     for group in optimizer.param_groups:
-        group["params"] = [mapping[p] for p in group["params"]]
+        group["params"] = [mapping.get(p, p) for p in group["params"]]
     for old, new in mapping.items():
         if old in optimizer.state:
             optimizer.state[new] = optimizer.state.pop(old)
