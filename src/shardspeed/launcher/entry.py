@@ -34,8 +34,11 @@ def run_target(target: str, args: Sequence[str], *, module: bool = False) -> Non
 
 def _set_deepspeed_rank_env() -> None:
     """Add the variables DeepSpeed's launcher sets and torchrun names differently."""
-    for ours, torchrun in (("LOCAL_SIZE", "LOCAL_WORLD_SIZE"), ("CROSS_RANK", "GROUP_RANK"),
-                           ("CROSS_SIZE", "GROUP_WORLD_SIZE")):
+    for ours, torchrun in (
+        ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"),
+        ("CROSS_RANK", "GROUP_RANK"),
+        ("CROSS_SIZE", "GROUP_WORLD_SIZE"),
+    ):
         if torchrun in os.environ:
             os.environ.setdefault(ours, os.environ[torchrun])
 
@@ -54,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--no_local_rank" not in flags:
         local_rank = os.environ.get("LOCAL_RANK")
         if local_rank is None:
-            raise SystemExit("shardspeed.launcher.entry: LOCAL_RANK is not set; run it under torchrun")
+            raise SystemExit(
+                "shardspeed.launcher.entry: LOCAL_RANK is not set; run it under torchrun"
+            )
         # DeepSpeed's launcher passes the local rank as an argument; scripts written for it parse it.
         args.append(f"--local_rank={local_rank}")
     _set_deepspeed_rank_env()

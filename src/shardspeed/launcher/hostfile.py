@@ -27,9 +27,7 @@ def parse_hostfile(lines: Iterable[str], source: str = "hostfile") -> dict[str, 
         # Fields after slots=N are accepted and ignored: MPI hostfiles may carry e.g. max_slots=N.
         match = _SLOTS.fullmatch(fields[1]) if len(fields) > 1 else None
         if match is None:
-            raise ValueError(
-                f"{source}:{number}: expected 'HOST slots=N', got {raw.strip()!r}"
-            )
+            raise ValueError(f"{source}:{number}: expected 'HOST slots=N', got {raw.strip()!r}")
         host, slots = fields[0], int(match.group(1))
         if slots < 1:
             raise ValueError(f"{source}:{number}: host {host!r} has slots={slots}, need at least 1")
@@ -59,7 +57,9 @@ def parse_node_specs(spec: str, flag: str = "--include") -> dict[str, list[int] 
     for node_spec in spec.split("@"):
         name, colon, slot_text = node_spec.partition(":")
         if not name or (colon and not slot_text):
-            raise ValueError(f"{flag} {spec!r}: bad node spec {node_spec!r}, expected NAME[:SLOT[,SLOT]]")
+            raise ValueError(
+                f"{flag} {spec!r}: bad node spec {node_spec!r}, expected NAME[:SLOT[,SLOT]]"
+            )
         slots: list[int] | None = None
         if colon:
             try:
@@ -77,7 +77,9 @@ def parse_node_specs(spec: str, flag: str = "--include") -> dict[str, list[int] 
     return nodes
 
 
-def filter_resources(pool: Mapping[str, int], include: str = "", exclude: str = "") -> dict[str, list[int]]:
+def filter_resources(
+    pool: Mapping[str, int], include: str = "", exclude: str = ""
+) -> dict[str, list[int]]:
     """Apply an ``--include`` or ``--exclude`` spec to ``pool`` (``{host: slot_count}``).
 
     With neither spec every slot of every host is used. Hosts left without slots are dropped.

@@ -60,29 +60,57 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, bool]]:
             takes_value[name] = action.nargs != 0
 
     add("-h", "--help", action="help", help="show this help and exit")
-    add("-H", "--hostfile", default=None,
+    add(
+        "-H",
+        "--hostfile",
+        default=None,
         help=f"MPI-style hostfile ('worker-0 slots=4' lines); default {DEFAULT_HOSTFILE} if it exists, "
-        "else this machine only")
-    add("-i", "--include", default="",
+        "else this machine only",
+    )
+    add(
+        "-i",
+        "--include",
+        default="",
         help="resources to use: NODE_SPEC[@NODE_SPEC...] with NODE_SPEC=NAME[:SLOT[,SLOT...]], "
-        "e.g. 'worker-0@worker-1:0,2'")
+        "e.g. 'worker-0@worker-1:0,2'",
+    )
     add("-e", "--exclude", default="", help="resources not to use, same format as --include")
     add("--num_nodes", type=int, default=None, help="use the first N hosts of the hostfile")
-    add("--num_gpus", "--num_accelerators", "--num_procs", dest="num_gpus", type=int, default=None,
+    add(
+        "--num_gpus",
+        "--num_accelerators",
+        "--num_procs",
+        dest="num_gpus",
+        type=int,
+        default=None,
         help="processes per node, on device slots 0..N-1 (default: every slot; on this machine "
-        "the visible GPU count, or 1 process without GPUs)")
+        "the visible GPU count, or 1 process without GPUs)",
+    )
     add("--node_rank", type=int, default=None, help="this node's rank, used with --no_ssh")
-    add("--master_addr", default=None,
-        help="rendezvous address (default 127.0.0.1 for one node, else the first host's name)")
+    add(
+        "--master_addr",
+        default=None,
+        help="rendezvous address (default 127.0.0.1 for one node, else the first host's name)",
+    )
     add("--master_port", type=int, default=DEFAULT_MASTER_PORT, help="rendezvous port")
     add("--max_restarts", type=int, default=None, help="passed to torchrun")
-    add("--no_local_rank", action="store_true", help="do not append --local_rank=N to the script args")
+    add(
+        "--no_local_rank",
+        action="store_true",
+        help="do not append --local_rank=N to the script args",
+    )
     add("--module", action="store_true", help="run the target as a module, like python -m")
     add("--no_python", action="store_true", help="the target is an executable, not a Python script")
-    add("--compat", action="store_true",
-        help="make 'import deepspeed' in the script resolve to shardspeed")
-    add("--no_ssh", action="store_true",
-        help="start only this node's processes (needs --node_rank); run it on every node")
+    add(
+        "--compat",
+        action="store_true",
+        help="make 'import deepspeed' in the script resolve to shardspeed",
+    )
+    add(
+        "--no_ssh",
+        action="store_true",
+        help="start only this node's processes (needs --node_rank); run it on every node",
+    )
     add("--ssh_port", type=int, default=None, help="ssh port for remote nodes")
     return parser, takes_value
 
@@ -98,7 +126,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     while index < len(argv) and argv[index].startswith("-") and argv[index] != "-":
         name, has_equals, _ = argv[index].partition("=")
         if name not in takes_value:
-            parser.error(f"unrecognized launcher flag {argv[index]!r} (launcher flags go before the script)")
+            parser.error(
+                f"unrecognized launcher flag {argv[index]!r} (launcher flags go before the script)"
+            )
         index += 2 if takes_value[name] and not has_equals else 1
     args = parser.parse_args(argv[:index])
     if index >= len(argv):
@@ -113,7 +143,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def _count_local_devices() -> int:
     """Processes to start on this machine by default: one per visible CUDA device, else one."""
-    import torch  # imported here so that --help and hostfile-only runs stay fast
+    import torch  # deferred: only needed when neither a hostfile nor --num_gpus gives the count
 
     return torch.cuda.device_count() or 1
 
@@ -185,11 +215,10 @@ def torchrun_command(
     nnodes: int,
     node_rank: int,
     master_addr: str,
-    python: str = sys.executable,
 ) -> list[str]:
     """The torchrun command for one node, running the script through :mod:`shardspeed.launcher.entry`."""
     command = [
-        python, "-m", "torch.distributed.run",
+        sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(nproc),
         "--nnodes", str(nnodes),
         "--node_rank", str(node_rank),
@@ -205,8 +234,13 @@ def torchrun_command(
     return [*command, args.user_script, *args.user_args]
 
 
-def ssh_command(host: str, cwd: str, exports: Mapping[str, str], command: Sequence[str],
-                ssh_port: int | None = None) -> list[str]:
+def ssh_command(
+    host: str,
+    cwd: str,
+    exports: Mapping[str, str],
+    command: Sequence[str],
+    ssh_port: int | None = None,
+) -> list[str]:
     """``ssh host "cd CWD && export K=V ... && exec COMMAND"`` with every word shell-quoted.
 
     ``-tt`` gives the remote command a terminal so that stopping this ssh client hangs it up and
@@ -214,7 +248,9 @@ def ssh_command(host: str, cwd: str, exports: Mapping[str, str], command: Sequen
     """
     remote = f"cd {shlex.quote(cwd)} && "
     if exports:
-        remote += "export " + " ".join(f"{key}={shlex.quote(value)}" for key, value in exports.items())
+        remote += "export " + " ".join(
+            f"{key}={shlex.quote(value)}" for key, value in exports.items()
+        )
         remote += " && "
     remote += "exec " + shlex.join(command)
     port = ["-p", str(ssh_port)] if ssh_port is not None else []
@@ -240,31 +276,43 @@ def plan_launches(
     names = list(hosts)
     master_addr = args.master_addr or ("127.0.0.1" if len(names) == 1 else names[0])
 
-    if args.no_ssh or len(names) == 1:
-        if not args.no_ssh:
-            node_rank = 0
-        elif args.node_rank is not None and 0 <= args.node_rank < len(names):
-            node_rank = args.node_rank
-        else:
+    if args.no_ssh:
+        if args.node_rank is None or not 0 <= args.node_rank < len(names):
             raise ValueError(f"--no_ssh needs --node_rank between 0 and {len(names) - 1}")
-        slots = hosts[names[node_rank]]
-        env = dict(environ)
-        devices = local_visible_devices(slots, environ)
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = devices
-        command = torchrun_command(args, nproc=len(slots), nnodes=len(names), node_rank=node_rank,
-                                   master_addr=master_addr)
-        return [Launch(command, env, remote=False)]
+        node_rank = args.node_rank
+    elif len(names) == 1:
+        node_rank = 0
+    else:
+        return _remote_launches(args, hosts, master_addr, environ, cwd)
+    slots = hosts[names[node_rank]]
+    env = dict(environ)
+    devices = local_visible_devices(slots, environ)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    command = torchrun_command(
+        args, nproc=len(slots), nnodes=len(names), node_rank=node_rank, master_addr=master_addr
+    )
+    return [Launch(command, env, remote=False)]
 
+
+def _remote_launches(
+    args: argparse.Namespace,
+    hosts: Mapping[str, list[int]],
+    master_addr: str,
+    environ: Mapping[str, str],
+    cwd: str,
+) -> list[Launch]:
+    """One ssh command per host, each starting that node's torchrun."""
     shared_exports = remote_environment(environ, cwd)
     launches = []
     for node_rank, (host, slots) in enumerate(hosts.items()):
-        # On a remote node slots are that node's device ids; its own CUDA_VISIBLE_DEVICES is unknown here.
+        # On a remote node slots are its device ids: its own CUDA_VISIBLE_DEVICES is unknown here.
         exports = {**shared_exports, "CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))}
-        command = torchrun_command(args, nproc=len(slots), nnodes=len(names), node_rank=node_rank,
-                                   master_addr=master_addr)
-        launches.append(Launch(ssh_command(host, cwd, exports, command, args.ssh_port),
-                               dict(environ), remote=True))
+        command = torchrun_command(
+            args, nproc=len(slots), nnodes=len(hosts), node_rank=node_rank, master_addr=master_addr
+        )
+        argv = ssh_command(host, cwd, exports, command, args.ssh_port)
+        launches.append(Launch(argv, dict(environ), remote=True))
     return launches
 
 
@@ -273,21 +321,29 @@ def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+class _Terminated(Exception):
+    """Raised by the SIGTERM handler so that the launcher stops its children before it exits."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 def run_launches(launches: Sequence[Launch], grace_s: float = 10.0) -> int:
-    """Start every launch in parallel and wait; the first non-zero status stops the others and is returned."""
+    """Start the launches in parallel and wait for them.
+
+    Returns 0 when all succeed; the first non-zero status stops the others and is returned.
+    """
     processes = [
         # ssh gets no stdin: several clients must not fight over this terminal.
-        subprocess.Popen(launch.argv, env=launch.env,
-                         stdin=subprocess.DEVNULL if launch.remote else None)
+        subprocess.Popen(
+            launch.argv, env=launch.env, stdin=subprocess.DEVNULL if launch.remote else None
+        )
         for launch in launches
     ]
     in_main_thread = threading.current_thread() is threading.main_thread()
     # SIGTERM (e.g. from a job scheduler) must stop the children too, not orphan them.
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main_thread else None
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
         while True:
             codes = [process.poll() for process in processes]
@@ -298,7 +354,9 @@ def run_launches(launches: Sequence[Launch], grace_s: float = 10.0) -> int:
                 return 0
             time.sleep(0.1)
     except KeyboardInterrupt:
-        return 130
+        return 128 + signal.SIGINT
+    except _Terminated:
+        return 128 + signal.SIGTERM
     finally:
         if in_main_thread:
             # A handler installed outside Python reads back as None; the default is the best restore.

@@ -1,0 +1,463 @@
+"""The shardspeed launcher: hostfiles, resource filters, the commands it builds, and real runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardspeed.launcher import entry, runner
+from shardspeed.launcher.hostfile import (
+    filter_resources,
+    parse_hostfile,
+    parse_node_specs,
+    read_hostfile,
+    select_resources,
+)
+
+POOL = {"worker-0": 4, "worker-1": 4, "worker-2": 2}
+
+
+# --- hostfile -------------------------------------------------------------------------------------
+
+
+def test_parse_hostfile_skips_comments_and_blank_lines() -> None:
+    text = """
+    # the cluster
+    worker-0 slots=4
+      worker-1   slots=2   # trailing comment
+    worker-2 slots=8 max_slots=16
+    """
+    assert parse_hostfile(text.splitlines()) == {"worker-0": 4, "worker-1": 2, "worker-2": 8}
+    assert list(parse_hostfile(["b slots=1", "a slots=1"])) == ["b", "a"]
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (["worker-0 slots=4", "worker-1"], r"hosts:2: expected 'HOST slots=N', got 'worker-1'"),
+        (["worker-0 slots=four"], r"hosts:1: expected 'HOST slots=N'"),
+        (["worker-0 slots=4x"], r"hosts:1: expected"),
+        (["worker-0 4"], r"hosts:1: expected"),
+        (["worker-0 slots=0"], r"hosts:1: host 'worker-0' has slots=0"),
+        (["a slots=1", "", "a slots=2"], r"hosts:3: host 'a' is listed twice \(first on line 1\)"),
+        (["# nothing", ""], r"hosts lists no hosts"),
+    ],
+)
+def test_parse_hostfile_errors_name_the_line(lines: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_hostfile(lines, source="hosts")
+
+
+def test_read_hostfile_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "hostfile"
+    path.write_text("worker-0 slots=2\nbad line here\n")
+    with pytest.raises(ValueError, match=f"{path}:2: expected"):
+        read_hostfile(path)
+
+
+# --- include / exclude ----------------------------------------------------------------------------
+
+
+def test_node_specs() -> None:
+    assert parse_node_specs("worker-0@worker-1:2,0,2") == {"worker-0": None, "worker-1": [0, 2]}
+    assert parse_node_specs("w:3@w:1") == {"w": [1, 3]}
+    assert parse_node_specs("w:3@w") == {"w": None}
+
+
+@pytest.mark.parametrize("spec", ["", "@w", "w:", ":0", "w:a", "w:0,", "w:-1", "w:0:1"])
+def test_bad_node_specs_are_rejected(spec: str) -> None:
+    with pytest.raises(ValueError, match="--exclude"):
+        parse_node_specs(spec, "--exclude")
+
+
+def test_include_keeps_hostfile_order_and_named_slots() -> None:
+    assert filter_resources(POOL, include="worker-1:2,0@worker-0") == {
+        "worker-0": [0, 1, 2, 3],
+        "worker-1": [0, 2],
+    }
+
+
+def test_exclude_removes_slots_and_whole_hosts() -> None:
+    assert filter_resources(POOL, exclude="worker-1:0,3@worker-2") == {
+        "worker-0": [0, 1, 2, 3],
+        "worker-1": [1, 2],
+    }
+    assert filter_resources(POOL) == {
+        "worker-0": [0, 1, 2, 3],
+        "worker-1": [0, 1, 2, 3],
+        "worker-2": [0, 1],
+    }
+
+
+@pytest.mark.parametrize(
+    ("include", "exclude", "message"),
+    [
+        ("worker-9", "", r"--include: host 'worker-9' is not among the available hosts"),
+        ("worker-2:2", "", r"--include: host 'worker-2' has no slot 2 \(it has slots 0-1\)"),
+        ("", "worker-0:7", r"--exclude: host 'worker-0' has no slot 7"),
+        ("", "worker-0@worker-1@worker-2:0,1", r"leaves no slots to run on"),
+        ("worker-0", "worker-1", r"mutually exclusive"),
+    ],
+)
+def test_filter_errors(include: str, exclude: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        filter_resources(POOL, include=include, exclude=exclude)
+
+
+def test_num_nodes_and_num_gpus() -> None:
+    assert select_resources(POOL, num_nodes=2) == {
+        "worker-0": [0, 1, 2, 3],
+        "worker-1": [0, 1, 2, 3],
+    }
+    # As in DeepSpeed, --num_gpus means device ids 0..N-1 on every host.
+    assert select_resources(POOL, num_gpus=3) == {h: [0, 1, 2] for h in POOL}
+    assert select_resources(POOL, num_nodes=1, num_gpus=1) == {"worker-0": [0]}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"include": "worker-0", "num_gpus": 1}, "cannot be combined"),
+        ({"exclude": "worker-0", "num_nodes": 1}, "cannot be combined"),
+        ({"num_nodes": 4}, r"--num_nodes 4 but only 3 host\(s\) are available"),
+        ({"num_nodes": 0}, "at least 1"),
+        ({"num_gpus": 0}, "at least 1"),
+    ],
+)
+def test_select_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        select_resources(POOL, **kwargs)
+
+
+# --- argument parsing -----------------------------------------------------------------------------
+
+
+def test_script_args_pass_through_untouched() -> None:
+    args = runner.parse_args(
+        ["--num_gpus=2", "-H", "hf", "train.py", "--deepspeed_config", "ds.json", "--num_gpus", "7",
+         "--", "-i", "x y"]
+    )  # fmt: skip
+    assert (args.num_gpus, args.hostfile, args.user_script) == (2, "hf", "train.py")
+    assert args.user_args == ["--deepspeed_config", "ds.json", "--num_gpus", "7", "--", "-i", "x y"]
+
+
+def test_launcher_defaults() -> None:
+    args = runner.parse_args(["train.py"])
+    assert args.master_port == 29500
+    assert args.master_addr is None and args.num_gpus is None and args.hostfile is None
+    assert runner.parse_args(["--num_procs", "3", "t.py"]).num_gpus == 3
+    assert runner.parse_args(["--num_accelerators", "3", "t.py"]).num_gpus == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--launcher", "pdsh", "t.py"], "unrecognized launcher flag '--launcher'"),
+        (["--num_gpus", "2"], "missing the script"),
+        (["--module", "--no_python", "t.py"], "cannot be used together"),
+    ],
+)
+def test_parse_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        runner.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+# --- commands built -------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _no_default_hostfile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep a /job/hostfile on the test machine from changing what the planning tests see."""
+    monkeypatch.setattr(runner, "DEFAULT_HOSTFILE", str(tmp_path / "no-hostfile"))
+
+
+def _plan(
+    argv: list[str], environ: dict[str, str] | None = None, cwd: str = "/work dir", devices: int = 2
+) -> list[runner.Launch]:
+    args = runner.parse_args(argv)
+    return runner.plan_launches(args, environ or {}, cwd, count_local_devices=lambda: devices)
+
+
+def test_single_node_torchrun_command(tmp_path: Path) -> None:
+    missing = str(tmp_path / "none")
+    [launch] = _plan(
+        ["--master_port", "1234", "--max_restarts", "2", "--no_local_rank", "--compat",
+         "--include", "localhost:1", "train.py", "--lr", "0.1"],
+        environ={"HOME": missing},
+    )  # fmt: skip
+    assert launch.argv == [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--nnodes", "1",
+        "--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port", "1234",
+        "--max_restarts", "2", "--module", "shardspeed.launcher.entry", "--no_local_rank", "--compat",
+        "train.py", "--lr", "0.1",
+    ]  # fmt: skip
+    assert launch.env == {"HOME": missing, "CUDA_VISIBLE_DEVICES": "1"}
+    assert not launch.remote
+
+
+def test_default_process_count_follows_local_devices() -> None:
+    [launch] = _plan(["t.py"], devices=3)
+    assert launch.argv[launch.argv.index("--nproc_per_node") + 1] == "3"
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == "0,1,2"
+    [launch] = _plan(["--num_procs", "2", "t.py"], devices=0)
+    assert launch.argv[launch.argv.index("--nproc_per_node") + 1] == "2"
+
+
+def test_slots_index_into_visible_devices() -> None:
+    [launch] = _plan(["-i", "localhost:0,2", "t.py"], {"CUDA_VISIBLE_DEVICES": "4,5,6"}, devices=3)
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == "4,6"
+    # Set but empty means "no GPUs": the processes run on the CPU and the variable is left alone.
+    [launch] = _plan(["--num_procs", "2", "t.py"], {"CUDA_VISIBLE_DEVICES": ""})
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == ""
+    with pytest.raises(ValueError, match="lists 1 device"):
+        _plan(["--num_procs", "2", "t.py"], {"CUDA_VISIBLE_DEVICES": "3"})
+
+
+def test_missing_explicit_hostfile_and_extra_nodes(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        _plan(["-H", str(tmp_path / "nope"), "t.py"])
+    with pytest.raises(ValueError, match="--num_nodes 2 but only 1 host"):
+        _plan(["--num_nodes", "2", "t.py"])
+
+
+def _hostfile(tmp_path: Path) -> str:
+    path = tmp_path / "hostfile"
+    path.write_text("worker-0 slots=4\nworker-1 slots=4\n")
+    return str(path)
+
+
+def test_multi_node_ssh_commands(tmp_path: Path) -> None:
+    cwd = str(tmp_path / "my project")
+    launches = _plan(
+        ["-H", _hostfile(tmp_path), "-i", "worker-0:1,3@worker-1", "--ssh_port", "2222",
+         "train.py", "--name", "run one", 'say "hi"', "it's"],
+        environ={"HOME": str(tmp_path), "NCCL_DEBUG": "INFO", "UNRELATED": "x"},
+        cwd=cwd,
+    )  # fmt: skip
+    assert [launch.remote for launch in launches] == [True, True]
+    for node_rank, (launch, host, devices) in enumerate(
+        zip(launches, ["worker-0", "worker-1"], ["1,3", "0,1,2,3"])
+    ):
+        assert launch.argv[:5] == ["ssh", "-tt", "-p", "2222", host]
+        words = shlex.split(launch.argv[5])
+        assert words[:3] == ["cd", cwd, "&&"]
+        exports = words[4 : words.index("&&", 3)]
+        assert exports == [
+            "NCCL_DEBUG=INFO", f"PYTHONPATH={cwd}", f"CUDA_VISIBLE_DEVICES={devices}",
+        ]  # fmt: skip
+        torchrun = words[words.index("exec") + 1 :]
+        nproc = str(len(devices.split(",")))
+        assert torchrun == [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", nproc, "--nnodes", "2",
+            "--node_rank", str(node_rank), "--master_addr", "worker-0", "--master_port", "29500",
+            "--module", "shardspeed.launcher.entry",
+            "train.py", "--name", "run one", 'say "hi"', "it's",
+        ]  # fmt: skip
+
+
+def test_remote_command_survives_a_real_shell(tmp_path: Path) -> None:
+    cwd = tmp_path / "dir with 'quotes' and spaces"
+    cwd.mkdir()
+    probe = "import os, sys; print(repr((os.getcwd(), os.environ['ODD'], sys.argv[1:])))"
+    args = ["a b", 'say "hi"', "it's", "$HOME", "`id`", "--local_rank=0"]
+    argv = runner.ssh_command("host", str(cwd), {"ODD": "x 'y' \"z\" $PATH"},
+                              [sys.executable, "-c", probe, *args])  # fmt: skip
+    shown = subprocess.run(["sh", "-c", argv[-1]], capture_output=True, text=True, check=True)
+    assert eval(shown.stdout) == (str(cwd), "x 'y' \"z\" $PATH", args)
+
+
+def test_environment_propagation(tmp_path: Path) -> None:
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    (home / ".deepspeed_env").write_text("# mine\nA=from home\nB=home\n\n")
+    (cwd / ".deepspeed_env").write_text("B = from cwd \n")
+    environ = {
+        "HOME": str(home),
+        "PYTHONPATH": "/lib",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "UCX_TLS": "tcp",
+        "MLFLOW_RUN": "7",
+        "MV2_X": "1",
+        "CUDA_VISIBLE_DEVICES": "0",
+        "PATH": "/bin",
+    }
+    assert runner.remote_environment(environ, str(cwd)) == {
+        "PYTHONPATH": f"{cwd}:/lib",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "UCX_TLS": "tcp",
+        "MLFLOW_RUN": "7",
+        "MV2_X": "1",
+        "A": "from home",
+        "B": "from cwd",
+    }
+    custom = tmp_path / "custom_env"
+    custom.write_text("C=1\n")
+    assert runner.remote_environment({"HOME": str(home), "DS_ENV_FILE": str(custom)}, str(cwd)) == {
+        "PYTHONPATH": str(cwd),
+        "C": "1",
+    }
+    custom.write_text("C=1\nnot an assignment\n")
+    with pytest.raises(ValueError, match=f"{custom}:2: expected KEY=VALUE"):
+        runner.remote_environment({"HOME": str(home), "DS_ENV_FILE": str(custom)}, str(cwd))
+
+
+def test_no_ssh_runs_only_this_node(tmp_path: Path) -> None:
+    [launch] = _plan(["-H", _hostfile(tmp_path), "--no_ssh", "--node_rank", "1", "t.py"])
+    argv = launch.argv
+    assert not launch.remote
+    assert argv[argv.index("--nnodes") + 1 : argv.index("--master_port")] == [
+        "2", "--node_rank", "1", "--master_addr", "worker-0",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="--node_rank between 0 and 1"):
+        _plan(["-H", _hostfile(tmp_path), "--no_ssh", "t.py"])
+
+
+def test_first_failure_stops_the_others() -> None:
+    sleeper = runner.Launch(["sleep", "30"], dict(os.environ), remote=False)
+    failer = runner.Launch(["sh", "-c", "sleep 0.2; exit 3"], dict(os.environ), remote=False)
+    start = time.monotonic()
+    assert runner.run_launches([sleeper, failer]) == 3
+    assert time.monotonic() - start < 10
+    ok = runner.Launch(["true"], dict(os.environ), remote=False)
+    assert runner.run_launches([ok, ok]) == 0
+
+
+# --- real runs ------------------------------------------------------------------------------------
+
+SCRIPT = """
+import argparse, os, sys
+import torch
+import torch.distributed as dist
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--local_rank", type=int, required=True)
+args = parser.parse_args()
+dist.init_process_group("gloo")
+value = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(value)
+assert args.local_rank == int(os.environ["LOCAL_RANK"])
+with open(os.path.join(args.out, f"rank{dist.get_rank()}"), "w") as handle:
+    handle.write(f"{value.item()} {dist.get_world_size()} {os.environ['CROSS_SIZE']}")
+dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _shardspeed() -> str:
+    return str(Path(sys.executable).with_name("shardspeed"))
+
+
+def test_real_run_on_two_processes(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = subprocess.run(
+        [_shardspeed(), "--num_procs", "2", "--master_port", str(_free_port()), str(script),
+         "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # Each rank saw the all-reduced sum 0 + 1, a world of 2 and one node.
+    assert sorted(p.name for p in out.iterdir()) == ["rank0", "rank1"]
+    assert {p.read_text() for p in out.iterdir()} == {"1.0 2 1"}
+
+
+def test_failing_script_fails_the_launcher(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    result = subprocess.run(
+        [_shardspeed(), "--num_procs", "1", "--master_port", str(_free_port()), str(script)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+
+
+# --- the per-process entry point ------------------------------------------------------------------
+
+REPORT = """
+import json, os, sys
+keys = ("LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
+report = {"argv": sys.argv, "name": __name__, "path0": sys.path[0],
+          "env": [os.environ.get(key) for key in keys]}
+with open(os.environ["REPORT_TO"], "w") as handle:
+    json.dump(report, handle)
+"""
+
+
+@pytest.fixture
+def report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where the REPORT script writes; sys.argv and sys.path are restored after the test."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for key in ("LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("REPORT_TO", str(tmp_path / "report.json"))
+    return tmp_path / "report.json"
+
+
+def test_entry_runs_script_like_python(
+    tmp_path: Path, report: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script_dir = tmp_path / "scripts"
+    script_dir.mkdir()
+    (script_dir / "train.py").write_text(REPORT)
+    for key, value in {"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+                       "GROUP_WORLD_SIZE": "3"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    assert entry.main(["scripts/train.py", "a b", "--x"]) == 0
+    result = json.loads(report.read_text())
+    assert result == {
+        "argv": ["scripts/train.py", "a b", "--x", "--local_rank=2"],
+        "name": "__main__",
+        "path0": str(script_dir.resolve()),
+        "env": ["4", "1", "3"],
+    }
+
+
+def test_entry_runs_a_module(tmp_path: Path, report: Path) -> None:
+    (tmp_path / "my_trainer.py").write_text(REPORT)
+    sys.path.insert(0, str(tmp_path))
+    assert entry.main(["--no_local_rank", "--module", "my_trainer", "--y"]) == 0
+    result = json.loads(report.read_text())
+    assert result["argv"] == [str(tmp_path / "my_trainer.py"), "--y"]
+    assert result["name"] == "__main__"
+
+
+def test_entry_execs_a_program_without_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def fake_execvp(file: str, argv: list[str]) -> None:
+        calls.append((file, argv))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(os, "execvp", fake_execvp)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit):
+        entry.main(["--no_python", "./train.sh", "x"])
+    assert calls == [("./train.sh", ["./train.sh", "x", "--local_rank=1"])]
+
+
+def test_entry_needs_local_rank_from_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit, match="LOCAL_RANK is not set"):
+        entry.main(["train.py"])
+    with pytest.raises(SystemExit, match="unknown flag '--bogus'"):
+        entry.main(["--bogus", "train.py"])
