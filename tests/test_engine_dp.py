@@ -449,3 +449,30 @@ def test_frozen_parameters_stay_frozen(precision):
     engine.step()
     assert model[0].weight.detach().float().equal(frozen.to(dtype).float())
     assert not model[4].weight.detach().float().equal(before)
+
+
+def test_fp16_auto_cast_takes_fp32_inputs():
+    model = make_model()
+    engine, *_ = shardspeed.initialize(
+        model=model, config=config(8, fp16={"enabled": True, "auto_cast": True})
+    )
+    x, y = batch(0)
+    out = engine(x)  # fp32 input, fp16 model
+    assert out.dtype == torch.float16
+    engine.backward(F.mse_loss(out.float(), y))
+    engine.step()
+    assert engine.was_step_applied() and engine.loss_scale == 2.0**16
+
+
+def test_wall_clock_breakdown_and_progress_lines(caplog):
+    model = make_model()
+    engine, *_ = shardspeed.initialize(
+        model=model, config=config(8, wall_clock_breakdown=True, steps_per_print=2)
+    )
+    x, y = batch(0)
+    with caplog.at_level("INFO", logger="shardspeed"):
+        for _ in range(2):
+            engine.backward(F.mse_loss(engine(x), y))
+            engine.step()
+    assert "step=2, skipped=0, lr=[1.0000e-02]" in caplog.text
+    assert "forward:" in caplog.text and "backward:" in caplog.text and "step:" in caplog.text
