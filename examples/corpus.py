@@ -2,9 +2,10 @@
 
 With no file given, the corpus is built from the docstrings of Python's own standard library: a
 fixed, sorted list of modules is imported, and `inspect.getdoc` of each module, its public classes,
-their methods and its public functions is collected in a fixed order. Nothing is downloaded; the
-result depends only on the Python version, and is cached to a file so that later runs (and every
-process of a multi-process run) read the same bytes.
+their methods and its public functions is collected in a fixed order. Nothing is downloaded. The
+collection runs in a fresh, isolated interpreter (`python -I`), so that what the calling process has
+imported or patched (a launcher replacing a hook, say) cannot change it: the result depends only on
+the Python installation. It is cached to a file, so later runs read the same bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import importlib
 import inspect
 import os
+import subprocess
 import sys
 import tempfile
 import warnings
@@ -111,7 +113,6 @@ STDLIB_MODULES: tuple[str, ...] = tuple(
             "string",
             "struct",
             "subprocess",
-            "sys",
             "tarfile",
             "tempfile",
             "textwrap",
@@ -199,6 +200,23 @@ def stdlib_docstrings(modules: tuple[str, ...] = STDLIB_MODULES) -> str:
     return SEPARATOR.join(parts) + "\n"
 
 
+def stdlib_docstrings_fresh() -> bytes:
+    """`stdlib_docstrings()` as UTF-8, computed by a new isolated interpreter (the same Python)."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from corpus import stdlib_docstrings; "
+        "sys.stdout.buffer.write(stdlib_docstrings().encode('utf-8'))"
+    )
+    here = str(Path(__file__).resolve().parent)
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", code, here], capture_output=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"building the stdlib corpus failed:\n{proc.stderr.decode(errors='replace')}"
+        )
+    return proc.stdout
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("SHARDSPEED_DATA", Path(tempfile.gettempdir()) / "shardspeed-data"))
 
@@ -217,7 +235,7 @@ def build_corpus(cache_dir: str | os.PathLike | None = None, data_file: str | No
     path = cache / f"stdlib-docs-py{sys.version_info[0]}{sys.version_info[1]}-{key}.txt"
     if path.exists():
         return path.read_bytes()
-    data = stdlib_docstrings().encode("utf-8")
+    data = stdlib_docstrings_fresh()
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "wb") as f:

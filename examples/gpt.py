@@ -115,10 +115,12 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab_size) when `targets` is None, else the mean cross-entropy loss."""
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        seq_len = idx.size(1)
+        if seq_len > self.config.block_size:
+            raise ValueError(
+                f"sequence of length {seq_len} exceeds block_size {self.config.block_size}"
+            )
+        pos = torch.arange(seq_len, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)

@@ -27,12 +27,12 @@ from tqdm import tqdm
 import shardspeed as deepspeed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import ByteDataset, build_corpus  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
+from corpus import ByteDataset, build_corpus
+from gpt import GPT, GPTConfig
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "ds_config.json"
-DEFAULT_STEPS = 600  # must match scheduler.params.total_num_steps in ds_config.json
+DEFAULT_STEPS = 700  # must match scheduler.params.total_num_steps in ds_config.json
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,7 +51,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n_embd", type=int, default=128)
     parser.add_argument("--block_size", type=int, default=128, help="context length in bytes")
     parser = deepspeed.add_config_arguments(parser)  # --deepspeed, --deepspeed_config
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    return args
 
 
 def free_port() -> int:
@@ -93,14 +96,14 @@ def main() -> None:
     deepspeed.init_distributed()
 
     out = Path(args.out)
-    data = build_corpus(cache_dir=out.parent / "data", data_file=args.data)
+    data = build_corpus(cache_dir=out / "corpus", data_file=args.data)
     model_cfg = GPTConfig(
         block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
     )
     model = GPT(model_cfg)
     dataset = ByteDataset(data, block_size=model_cfg.block_size)
 
-    engine, optimizer, loader, scheduler = deepspeed.initialize(
+    engine, optimizer, loader, scheduler = deepspeed.initialize(  # noqa: RUF059
         args=args, model=model, model_parameters=model.parameters(), training_data=dataset
     )
     rank = engine.global_rank
@@ -118,7 +121,7 @@ def main() -> None:
 
     engine.train()
     losses: list[float] = []  # rank 0's loss at each optimizer step
-    bar = tqdm(total=args.steps, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
+    bar = tqdm(total=args.steps, desc="train", unit="step", disable=rank != 0, mininterval=0.5)
     tokens = 0
     smooth = None
     t0 = time.perf_counter()
@@ -161,8 +164,10 @@ def main() -> None:
         f"trained {len(losses)} steps in {elapsed:.1f}s ({tokens / elapsed:,.0f} tokens/s); "
         f"saved {out / 'model.safetensors'}"
     )
-    print(f"start loss {start:.3f} (ln 256 = {math.log(256):.3f}), end loss {end:.3f} "
-          f"(mean of last {k} steps)")
+    print(
+        f"start loss {start:.3f} (ln 256 = {math.log(256):.3f}), end loss {end:.3f} "
+        f"(mean of last {k} steps)"
+    )
 
     # Reload from the files just written, as a user of the trained model would.
     cfg = GPTConfig.from_dict(json.loads((out / "config.json").read_text()))

@@ -12,7 +12,7 @@ import torch
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from corpus import ByteDataset, build_corpus, stdlib_docstrings  # noqa: E402
+from corpus import ByteDataset, build_corpus, stdlib_docstrings_fresh  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 SMALL = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -103,10 +103,21 @@ def test_stdlib_corpus_is_nontrivial_text(stdlib_bytes):
 
 def test_stdlib_corpus_is_deterministic(stdlib_bytes, tmp_path):
     # A fresh build (not the cached file) gives the same bytes, and the cache returns them too.
-    assert stdlib_docstrings().encode("utf-8") == stdlib_bytes
+    assert stdlib_docstrings_fresh() == stdlib_bytes
     first = build_corpus(cache_dir=tmp_path)
     assert build_corpus(cache_dir=tmp_path) == first == stdlib_bytes
     assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_stdlib_corpus_ignores_the_callers_patches(stdlib_bytes, tmp_path, monkeypatch):
+    # Launchers replace hooks such as threading.excepthook; the corpus must not depend on that.
+    import threading
+
+    def hook(args):
+        """A replacement hook with a docstring long enough to be collected if it leaked in."""
+
+    monkeypatch.setattr(threading, "excepthook", hook)
+    assert build_corpus(cache_dir=tmp_path) == stdlib_bytes
 
 
 def test_user_text_file(tmp_path):

@@ -151,7 +151,7 @@ def test_script_args_pass_through_untouched() -> None:
 
 def test_launcher_defaults() -> None:
     args = runner.parse_args(["train.py"])
-    assert args.master_port == 29500
+    assert args.master_port is None  # 29500, or a free port on one node when 29500 is taken
     assert args.master_addr is None and args.num_gpus is None and args.hostfile is None
     assert runner.parse_args(["--num_procs", "3", "t.py"]).num_gpus == 3
     assert runner.parse_args(["--num_accelerators", "3", "t.py"]).num_gpus == 3
@@ -461,3 +461,14 @@ def test_entry_needs_local_rank_from_torchrun(monkeypatch: pytest.MonkeyPatch) -
         entry.main(["train.py"])
     with pytest.raises(SystemExit, match="unknown flag '--bogus'"):
         entry.main(["--bogus", "train.py"])
+
+
+def test_busy_default_port_is_replaced_on_one_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    def port_of(launch: runner.Launch) -> str:
+        return launch.argv[launch.argv.index("--master_port") + 1]
+
+    monkeypatch.setattr(runner, "port_is_free", lambda port: True)
+    assert port_of(_plan(["t.py"], devices=1)[0]) == "29500"
+    monkeypatch.setattr(runner, "port_is_free", lambda port: False)
+    assert port_of(_plan(["t.py"], devices=1)[0]) != "29500"
+    assert port_of(_plan(["--master_port", "29500", "t.py"], devices=1)[0]) == "29500"

@@ -8,25 +8,19 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from collections import Counter
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..utils.net import free_port, port_is_free
+
 ReduceOp = dist.ReduceOp
 bytes_moved: Counter[str] = Counter()
 """Bytes each collective has moved in this process, by name (payload size, not wire traffic)."""
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def free_port() -> int:
-    """A TCP port on localhost that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def default_backend() -> str:
@@ -66,7 +60,7 @@ def init_distributed(
                 "MASTER_PORT (or init_method): start the script with `shardspeed` or `torchrun`"
             )
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        port = distributed_port if _port_free(distributed_port) else free_port()
+        port = distributed_port if port_is_free(distributed_port) else free_port()
         os.environ.setdefault("MASTER_PORT", str(port))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -81,15 +75,6 @@ def init_distributed(
     if backend == "nccl":
         torch.cuda.set_device(get_local_rank())
     dist.init_process_group(**kwargs)
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def is_initialized() -> bool:

@@ -11,6 +11,7 @@ checked without starting anything.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 import shlex
@@ -23,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from shardspeed.launcher.hostfile import read_hostfile, select_resources
+from shardspeed.utils.net import free_port, port_is_free
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
@@ -92,7 +94,13 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, bool]]:
         default=None,
         help="rendezvous address (default 127.0.0.1 for one node, else the first host's name)",
     )
-    add("--master_port", type=int, default=DEFAULT_MASTER_PORT, help="rendezvous port")
+    add(
+        "--master_port",
+        type=int,
+        default=None,
+        help=f"rendezvous port (default {DEFAULT_MASTER_PORT}; on one node a free port if that one "
+        "is taken)",
+    )
     add("--max_restarts", type=int, default=None, help="passed to torchrun")
     add(
         "--no_local_rank",
@@ -223,7 +231,7 @@ def torchrun_command(
         "--nnodes", str(nnodes),
         "--node_rank", str(node_rank),
         "--master_addr", master_addr,
-        "--master_port", str(args.master_port),
+        "--master_port", str(args.master_port or DEFAULT_MASTER_PORT),
     ]  # fmt: skip
     if args.max_restarts is not None:
         command += ["--max_restarts", str(args.max_restarts)]
@@ -282,6 +290,10 @@ def plan_launches(
         node_rank = args.node_rank
     elif len(names) == 1:
         node_rank = 0
+        if args.master_port is None and not port_is_free(DEFAULT_MASTER_PORT):
+            # Only this machine meets at the port, so any free one will do.
+            args = copy.copy(args)
+            args.master_port = free_port()
     else:
         return _remote_launches(args, hosts, master_addr, environ, cwd)
     slots = hosts[names[node_rank]]

@@ -234,7 +234,9 @@ class FlatOptimizer:
 def _managed_parameters(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     """The optimizer's parameters in reverse model order (roughly the order backward produces them)."""
     # Frozen parameters get no gradient; the optimizer may list them but they stay out of the buffers.
-    in_optimizer = {p for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+    in_optimizer = {
+        p for group in optimizer.param_groups for p in group["params"] if p.requires_grad
+    }
     ordered = [p for p in module.parameters() if p in in_optimizer]
     if len(ordered) != len(in_optimizer):
         raise ValueError(
