@@ -224,17 +224,19 @@ BAD_CONFIGS = [
     ),
     ({"zero_optimization": {"stage": 5}}, "'zero_optimization.stage'"),
     (
-        {"zero_optimization": {"stage": 2}},
-        "'zero_optimization.stage' 2 is not supported yet (issue 3",
-    ),
-    (
         {"zero_optimization": {"stage": 3}},
         "'zero_optimization.stage' 3 is not supported yet (issue 4",
     ),
     (
-        {"zero_optimization": {"reduce_scatter": False}},
-        "'zero_optimization.reduce_scatter' is a DeepSpeed key",
+        {"zero_optimization": {"round_robin_gradients": True}},
+        "'zero_optimization.round_robin_gradients' is a DeepSpeed key",
     ),
+    (
+        {"zero_optimization": {"stage": 1}, "optimizer": {"type": "Lamb"}},
+        "Lamb needs whole tensors",
+    ),
+    ({"zero_optimization": {"sub_group_size": 1000}}, "(issue 4"),
+    ({"zero_optimization": {"compute_grad_norm": False}}, "always computes the norm"),
     (
         {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
         "'zero_optimization.offload_optimizer'",
@@ -271,7 +273,7 @@ BAD_CONFIGS = [
     ),
     ({"tensorboard": {"enabled": True}}, "'tensorboard'"),
     ({"hybrid_engine": {"enabled": True}}, "(issue 10"),
-    ({"gradient_allreduce_op": "sum"}, "'gradient_allreduce_op'"),
+    ({"gradient_allreduce_op": "max"}, "'gradient_allreduce_op'"),
     ({"fp16": {"fp16_master_weights_and_grads": True}}, "'fp16.fp16_master_weights_and_grads'"),
     ({"bf16": {"check_grad_overflow": False}}, "'bf16.check_grad_overflow'"),
     (

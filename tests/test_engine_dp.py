@@ -15,79 +15,18 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardspeed
+from reference_training import (
+    GLOBAL_BATCH,
+    LR,
+    STEPS,
+    assert_close_relative,
+    batch,
+    config,
+    make_model,
+    reference,
+    train,
+)
 from shardspeed.testing import RankPool
-
-STEPS = 5
-GLOBAL_BATCH = 8
-LR = 0.01
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
-    )
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(GLOBAL_BATCH, 8, generator=gen), torch.randn(GLOBAL_BATCH, 4, generator=gen)
-
-
-def reference(clip: float = 1.0, weight_decay: float = 0.01) -> list[torch.Tensor]:
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=weight_decay)
-    for step in range(STEPS):
-        x, y = batch(step)
-        F.mse_loss(model(x), y).backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def config(micro: int, **extra) -> dict:
-    return {
-        "train_batch_size": GLOBAL_BATCH,
-        "train_micro_batch_size_per_gpu": micro,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-        **extra,
-    }
-
-
-def train(micro: int, extra: dict | None = None, model: nn.Module | None = None) -> dict:
-    """Train STEPS global batches; each rank takes its own micro-batches of every global batch."""
-    model = model or make_model()
-    engine, *_ = shardspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config(micro, **(extra or {}))
-    )
-    rank, world = engine.global_rank, engine.dp_world_size
-    gas = engine.gradient_accumulation_steps()
-    norms = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        for m in range(gas):
-            start = (m * world + rank) * micro
-            xs, ys = x[start : start + micro], y[start : start + micro]
-            dtype = next(engine.module.parameters()).dtype
-            loss = F.mse_loss(engine(xs.to(dtype)).float(), ys)
-            engine.backward(loss)
-            engine.step()
-        norms.append(engine.get_global_grad_norm())
-    return {
-        "params": [p.detach().float().clone() for p in model.parameters()],
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
-        "skipped": engine.skipped_steps,
-        "norms": norms,
-    }
-
-
-def assert_close_relative(actual: list, expected: list, tol: float) -> None:
-    for a, e in zip(actual, expected):
-        err = ((a - e).norm() / e.norm()).item()
-        assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
 
 
 @pytest.fixture(scope="module")

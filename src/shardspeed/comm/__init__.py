@@ -2,11 +2,12 @@
 
 from .comm import (
     ReduceOp,
+    all_gather,
     all_gather_into_tensor,
     all_reduce,
     barrier,
     broadcast,
-    bytes_moved,
+    comm_volume,
     default_backend,
     free_port,
     get_local_rank,
@@ -14,18 +15,21 @@ from .comm import (
     get_world_size,
     init_distributed,
     is_initialized,
+    reduce,
     reduce_scatter_tensor,
+    reset_comm_volume,
 )
 from .topology import Topology
 
 __all__ = [
     "ReduceOp",
     "Topology",
+    "all_gather",
     "all_gather_into_tensor",
     "all_reduce",
     "barrier",
     "broadcast",
-    "bytes_moved",
+    "comm_volume",
     "default_backend",
     "free_port",
     "get_local_rank",
@@ -33,5 +37,7 @@ __all__ = [
     "get_world_size",
     "init_distributed",
     "is_initialized",
+    "reduce",
     "reduce_scatter_tensor",
+    "reset_comm_volume",
 ]

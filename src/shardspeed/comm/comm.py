@@ -17,8 +17,11 @@ import torch.distributed as dist
 from ..utils.net import free_port, port_is_free
 
 ReduceOp = dist.ReduceOp
-bytes_moved: Counter[str] = Counter()
-"""Bytes each collective has moved in this process, by name (payload size, not wire traffic)."""
+# torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_bytes: Counter[str] = Counter()
+_calls: Counter[str] = Counter()
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -99,7 +102,22 @@ def barrier(group: Any = None) -> None:
 
 
 def _count(name: str, tensor: torch.Tensor) -> None:
-    bytes_moved[name] += tensor.numel() * tensor.element_size()
+    _bytes[name] += tensor.numel() * tensor.element_size()
+    _calls[name] += 1
+
+
+def comm_volume() -> dict[str, dict[str, int]]:
+    """Per collective, the calls this process made and their payload bytes since the last reset.
+
+    Payload is the size of the full tensor a collective acts on (a reduce-scatter's input, an
+    all-gather's output), the measure the ZeRO paper counts in; wire traffic depends on the algorithm.
+    """
+    return {name: {"calls": _calls[name], "bytes": _bytes[name]} for name in sorted(_calls)}
+
+
+def reset_comm_volume() -> None:
+    _bytes.clear()
+    _calls.clear()
 
 
 def all_reduce(
@@ -118,7 +136,7 @@ def all_gather_into_tensor(
     output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> Any:
     _count("all_gather", output)
-    return dist.all_gather_into_tensor(output, tensor, group=group, async_op=async_op)
+    return _all_gather_single(output, tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(
@@ -129,4 +147,24 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> Any:
     _count("reduce_scatter", tensor)
-    return dist.reduce_scatter_tensor(output, tensor, op=op, group=group, async_op=async_op)
+    return _reduce_scatter_single(output, tensor, op=op, group=group, async_op=async_op)
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    _count("reduce", tensor)
+    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+
+
+def all_gather(
+    outputs: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    for output in outputs:
+        _bytes["all_gather"] += output.numel() * output.element_size()
+    _calls["all_gather"] += 1
+    return dist.all_gather(outputs, tensor, group=group, async_op=async_op)

@@ -25,7 +25,7 @@ from .batch import BATCH_KEYS, resolve_batch
 from .errors import ConfigError, closest, key_path
 from .optimizer import OPTIMIZER_PARAMS, canonical_optimizer_name
 from .scheduler import SCHEDULER_PARAMS
-from .schema import ISSUE_ZERO3, ISSUE_ZERO12, REMOVED_KEYS, ShardSpeedConfig
+from .schema import ISSUE_ZERO3, REMOVED_KEYS, ShardSpeedConfig
 
 logger = logging.getLogger("shardspeed")
 
@@ -318,11 +318,18 @@ def _cross_section(config: ShardSpeedConfig) -> list[str]:
     if config.fp16.enabled and config.bf16.enabled:
         problems.append("'fp16.enabled' and 'bf16.enabled' are both true: choose one precision")
     stage = config.zero_optimization.stage
-    if stage:
-        issue = ISSUE_ZERO3 if stage == 3 else ISSUE_ZERO12
+    if stage == 3:
         problems.append(
-            f"'zero_optimization.stage' {stage} is not supported yet ({issue}); this release runs "
-            "stage 0 (data parallelism with all-reduced gradients)"
+            f"'zero_optimization.stage' 3 is not supported yet ({ISSUE_ZERO3}); this release runs "
+            "stages 0, 1 and 2"
+        )
+    lamb = (
+        config.optimizer is not None and canonical_optimizer_name(config.optimizer.type) == "Lamb"
+    )
+    if stage >= 1 and lamb:
+        problems.append(
+            "'optimizer.type' Lamb needs whole tensors for its per-tensor trust ratio, so it "
+            f"runs only with 'zero_optimization.stage' 0 (got stage {stage})"
         )
     return problems
 

@@ -22,12 +22,21 @@ from ..config import ShardSpeedConfig, optimizer_params, scheduler_params
 from ..config.errors import ConfigError
 from ..optim import build_optimizer, build_scheduler
 from ..precision import build_loss_scaler
-from ..zero import FlatOptimizer, ReduceOptions
+from ..zero import GatherOptions, ReduceOptions, ZeroOptimizer
 from .dataloader import DistributedDataLoader
 
 logger = logging.getLogger("shardspeed")
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Optimizers whose update of an element depends only on that element: safe on flat ZeRO shards.
+_ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.SGD,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adamax,
+)
 
 
 class ShardSpeedEngine(nn.Module):
@@ -94,10 +103,18 @@ class ShardSpeedEngine(nn.Module):
         name, params_model = optimizer_params(self.config)
         return build_optimizer(name, params_model, params)
 
-    def _wrap_optimizer(self, basic: torch.optim.Optimizer | None) -> FlatOptimizer | None:
+    def _wrap_optimizer(self, basic: torch.optim.Optimizer | None) -> ZeroOptimizer | None:
         if basic is None:
             return None
         config = self.config
+        zero = config.zero_optimization
+        untested = not isinstance(basic, _ELEMENTWISE_OPTIMIZERS) and config.optimizer is None
+        if zero.stage >= 1 and untested and not config.zero_allow_untested_optimizer:
+            raise ConfigError(
+                f"ZeRO stage {zero.stage} steps one flat shard per param group, which is only "
+                f"right for element-wise optimizers; {type(basic).__name__} is not known to be "
+                "one. Set 'zero_allow_untested_optimizer': true if it is (as DeepSpeed asks)"
+            )
         fp16 = config.fp16
         scaler = (
             build_loss_scaler(
@@ -111,25 +128,34 @@ class ShardSpeedEngine(nn.Module):
             if fp16.enabled
             else None
         )
-        overlap = config.zero_optimization.overlap_comm
         reduce = ReduceOptions(
-            bucket_elements=config.zero_optimization.reduce_bucket_size,
+            bucket_elements=zero.reduce_bucket_size,
             comm_dtype=_DTYPES[config.communication_data_type]
             if config.communication_data_type
             else None,
             prescale_gradients=config.prescale_gradients,
             predivide_factor=config.gradient_predivide_factor,
-            overlap=True if overlap is None else overlap,
+            overlap=zero.overlap_comm is not False,
+            reduce_scatter=zero.reduce_scatter,
+            average=config.gradient_allreduce_op == "mean",
         )
-        return FlatOptimizer(
+        gather = GatherOptions(
+            bucket_elements=zero.allgather_bucket_size,
+            all_gather=zero.allgather_partitions and not config.disable_allgather,
+        )
+        return ZeroOptimizer(
             self.module,
             basic,
+            stage=zero.stage,
             loss_scaler=scaler,
             gradient_clipping=config.gradient_clipping,
             skip_nonfinite=bool(config.bf16.check_grad_overflow),
             dp_group=self.topology.dp_group,
+            dp_rank=self.topology.dp_rank,
             dp_world_size=self.topology.dp_world_size,
             reduce=reduce,
+            gather=gather,
+            ignore_unused_parameters=zero.ignore_unused_parameters,
         )
 
     def _build_scheduler(self, client: Any) -> Any:
@@ -209,8 +235,7 @@ class ShardSpeedEngine(nn.Module):
         scale = self.optimizer.loss_scale
         with self._timed("backward"):
             (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-            if self._reduces_this_micro_step():
-                self.optimizer.finish_reduction()
+            self.optimizer.finish_reduction()  # a no-op on micro-steps that do not reduce
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
@@ -231,6 +256,9 @@ class ShardSpeedEngine(nn.Module):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._report()
+            if self.global_steps == 1:
+                sizes = ", ".join(f"{k} {_size(v)}" for k, v in self.memory_breakdown().items())
+                logger.info("model state held per rank after the first step: %s", sizes)
         self.micro_steps += 1
         self._prepare_micro_step()
 
@@ -253,6 +281,11 @@ class ShardSpeedEngine(nn.Module):
         """Accumulate gradients locally without averaging them (as torch DDP's no_sync)."""
         if self._in_no_sync:
             raise RuntimeError("no_sync() is already active: it cannot be nested")
+        if self.zero_optimization_stage() >= 2:
+            raise RuntimeError(
+                "no_sync() is not available with ZeRO stage 2: each rank keeps only its shard of "
+                "the gradients, so they must be reduced every micro-step"
+            )
         self._in_no_sync = True
         self._prepare_micro_step()
         try:
@@ -342,6 +375,28 @@ class ShardSpeedEngine(nn.Module):
             for group in self.basic_optimizer.param_groups
         ]
 
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind, each storage counted once (views share their storage)."""
+        held = (
+            self.optimizer.held_tensors()
+            if self.optimizer is not None
+            else {"parameters": list(self.module.parameters())}
+        )
+        held["buffers"] = list(self.module.buffers())
+        seen: set[tuple] = set()
+        sizes = {}
+        for kind in ("parameters", "gradients", "master_weights", "optimizer_states", "buffers"):
+            total = 0
+            for tensor in held.get(kind, []):
+                storage = tensor.untyped_storage()
+                key = (storage.data_ptr(), tensor.device)
+                if storage.nbytes() and key not in seen:
+                    seen.add(key)
+                    total += storage.nbytes()
+            sizes[kind] = total
+        sizes["total"] = sum(sizes.values())
+        return sizes
+
     def get_global_grad_norm(self) -> float | None:
         return self.optimizer.global_grad_norm if self.optimizer is not None else None
 
@@ -363,3 +418,12 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     if isinstance(tree, dict):
         return {key: _cast_floating(value, dtype) for key, value in tree.items()}
     return tree
+
+
+def _size(num_bytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1."""
+    for unit in ("B", "KiB", "MiB"):
+        if num_bytes < 1024:
+            return f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:.1f} GiB"

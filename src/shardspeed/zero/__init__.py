@@ -1,13 +1,16 @@
-"""The zero room: flat buffers, gradient reduction and the sharded optimizers (stage 0 today)."""
+"""The zero room: flat buffers, gradient reduction and the ZeRO optimizer (stages 0, 1, 2)."""
 
+from .estimate import model_state_bytes
 from .flat import FlatLayout
-from .optimizer import FlatOptimizer, NonFiniteGradientError, ReduceOptions
+from .optimizer import GatherOptions, NonFiniteGradientError, ReduceOptions, ZeroOptimizer
 from .reducer import GradientReducer
 
 __all__ = [
     "FlatLayout",
-    "FlatOptimizer",
+    "GatherOptions",
     "GradientReducer",
     "NonFiniteGradientError",
     "ReduceOptions",
+    "ZeroOptimizer",
+    "model_state_bytes",
 ]

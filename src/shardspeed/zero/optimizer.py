@@ -1,11 +1,20 @@
-"""Stage 0: every rank holds everything; gradients are averaged, then each rank steps the same update.
+"""The engine's optimizer for ZeRO stages 0, 1 and 2, over flat buffers.
 
-`FlatOptimizer` wraps any torch optimizer. It lays the trainable parameters out in one flat buffer
-of the model's dtype and their gradients in one flat buffer, keeps fp32 master weights when the
-model is fp16 or bf16, averages gradients with a `GradientReducer`, and at the accumulation
-boundary unscales, checks for overflow, clips and steps, all on whole buffers. The torch optimizer
-still sees one tensor per parameter (views into the master buffer), so per-tensor algorithms such
-as LAMB keep their meaning.
+Every stage lays the trainable parameters out in one flat buffer of the model's dtype (parameters
+are views into it), group by group, and averages gradients with a `GradientReducer` launched from
+post-accumulate-grad hooks. What differs is what a rank keeps:
+
+- stage 0: everything. The torch optimizer sees one fp32 master tensor per parameter, so per-tensor
+  algorithms (LAMB) keep their meaning.
+- stage 1: the full gradient buffer, but fp32 master weights and optimizer state only for its shard
+  (a contiguous 1/N of every param group). Gradients are reduced to their owners at the boundary.
+- stage 2: as stage 1, and gradients too only for its shard: each bucket is reduced every micro-step
+  and freed once the rank has added its own part to its shard accumulator.
+
+At the boundary, `step()` unscales, checks for overflow (the norm is summed across shards, so every
+rank agrees), clips by the global norm, runs the torch optimizer on the master tensors (one flat
+tensor per group for stages 1 and 2), copies masters back to the model's dtype and, for stages 1 and
+2, all-gathers the updated shards.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import broadcast
+from ..comm import all_gather, all_gather_into_tensor, all_reduce, broadcast
 from ..precision import LossScaler, StaticLossScaler
 from .flat import FlatLayout
 from .reducer import GradientReducer
@@ -30,102 +39,164 @@ class NonFiniteGradientError(FloatingPointError):
 
 @dataclass(frozen=True)
 class ReduceOptions:
-    """How gradients are averaged: bucket size in elements, dtype on the wire, and scaling."""
+    """How gradients are averaged: bucket size in elements, dtype on the wire, and scaling.
+
+    `reduce_scatter` (ZeRO stages 1 and 2) sends each gradient piece only to the rank that owns it;
+    false all-reduces whole buckets instead.
+    """
 
     bucket_elements: int
     comm_dtype: torch.dtype | None = None
     prescale_gradients: bool = False
     predivide_factor: float = 1.0
     overlap: bool = True
+    reduce_scatter: bool = True
+    average: bool = True  # false: DeepSpeed's gradient_allreduce_op "sum"
 
 
-class FlatOptimizer:
-    """The engine's optimizer at stage 0 (see module docstring). `step()` returns whether it applied."""
+@dataclass(frozen=True)
+class GatherOptions:
+    """How updated shards return to every rank: all-gather in chunks, or one broadcast per owner."""
+
+    bucket_elements: int = 500_000_000
+    all_gather: bool = True
+
+
+class ZeroOptimizer:
+    """Wraps a torch optimizer for ZeRO stage 0, 1 or 2 (see module docstring)."""
 
     def __init__(
         self,
         module: nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
+        stage: int = 0,
         loss_scaler: LossScaler | None = None,
         gradient_clipping: float = 0.0,
         skip_nonfinite: bool = False,
         dp_group: Any = None,
+        dp_rank: int = 0,
         dp_world_size: int = 1,
         reduce: ReduceOptions,
+        gather: GatherOptions | None = None,
+        ignore_unused_parameters: bool = True,
     ) -> None:
+        self.module = module
         self.optimizer = optimizer
+        # One rank has nothing to shard: stage 2 then behaves as stage 1 (same bytes, no copies).
+        self.stage = min(stage, 1) if dp_world_size == 1 else stage
         self.loss_scaler = loss_scaler or StaticLossScaler(1.0)
         self.gradient_clipping = gradient_clipping
         self.skip_nonfinite = skip_nonfinite
+        self.ignore_unused_parameters = ignore_unused_parameters
         self.global_grad_norm: float | None = None
+        self.dp_group, self.dp_rank, self.dp_world_size = dp_group, dp_rank, dp_world_size
+        self.gather = gather or GatherOptions()
 
-        params = _managed_parameters(module, optimizer)
+        groups = _managed_groups(module, optimizer)
+        self.params = [p for group in groups for p in group]
         names = {p: n for n, p in module.named_parameters()}
-        self.param_names = [names[p] for p in params]
-        self.params = params
-        model_dtype = params[0].dtype
-        device = params[0].device
-        if any(p.dtype != model_dtype or p.device != device for p in params):
+        self.param_names = [names[p] for p in self.params]
+        model_dtype, device = self.params[0].dtype, self.params[0].device
+        if any(p.dtype != model_dtype or p.device != device for p in self.params):
             raise ValueError("all trainable parameters must share one dtype and device")
-        self.layout = FlatLayout.of(params)
+        self.layout = FlatLayout.of(groups, dp_world_size if self.stage >= 1 else 1)
 
         # Model weights: one buffer, every parameter a view into it, identical on every rank.
-        self.model_flat = self.layout.flatten(params, model_dtype, device)
+        self.model_flat = self.layout.flatten(self.params, model_dtype, device)
         if dp_world_size > 1:
-            broadcast(self.model_flat, src=_global_rank_of_group_root(dp_group), group=dp_group)
-        for p, view in zip(params, self.layout.views(self.model_flat)):
+            broadcast(self.model_flat, src=_group_rank_to_global(dp_group, 0), group=dp_group)
+        for p, view in zip(self.params, self.layout.views(self.model_flat)):
             p.data = view
 
         # Gradients accumulate in fp32 unless the model is fp16 (DeepSpeed keeps fp16 gradients).
-        grad_dtype = torch.float16 if model_dtype == torch.float16 else torch.float32
-        self.grad_flat = torch.zeros(self.layout.total, dtype=grad_dtype, device=device)
-        self._grad_views = self.layout.views(self.grad_flat)
-        self._grads_alias_params = grad_dtype == model_dtype
-
-        # Master weights: the model itself in fp32, else an fp32 copy the optimizer steps on.
-        if model_dtype == torch.float32:
-            self.master_flat = self.model_flat
-            self.master_params = params
-            self.master_grad_flat = self.grad_flat
+        self.grad_dtype = torch.float16 if model_dtype == torch.float16 else torch.float32
+        self._grads_alias_params = self.grad_dtype == model_dtype
+        self.grad_flat: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        if self.stage <= 1:
+            self.grad_flat = torch.zeros(self.layout.total, dtype=self.grad_dtype, device=device)
+            self._grad_views = self.layout.views(self.grad_flat)
+            if self._grads_alias_params:
+                for p, view in zip(self.params, self._grad_views):
+                    p.grad = view
         else:
-            self.master_flat = self.model_flat.float()
-            self.master_params = [
-                nn.Parameter(view) for view in self.layout.views(self.master_flat)
-            ]
-            self.master_grad_flat = (
-                self.grad_flat
-                if grad_dtype == torch.float32
-                else torch.zeros_like(self.master_flat)
+            self.grad_shard = torch.zeros(
+                self.layout.shard_numel(), dtype=self.grad_dtype, device=device
             )
-            _swap_optimizer_params(optimizer, dict(zip(params, self.master_params)))
-        for master, view in zip(self.master_params, self.layout.views(self.master_grad_flat)):
-            master.grad = view
-        if self._grads_alias_params:
-            for p, view in zip(params, self._grad_views):
-                p.grad = view
 
-        self.reducer: GradientReducer | None = None
-        if dp_world_size > 1:
-            ranges = [(o, o + n) for o, n in zip(self.layout.offsets, self.layout.numels)]
-            pre, post = _reduce_scales(reduce, dp_world_size)
-            self.reducer = GradientReducer(
-                self.grad_flat,
-                ranges,
-                reduce.bucket_elements,
-                dp_group,
-                reduce.comm_dtype or grad_dtype,
-                pre,
-                post,
-                overlap=reduce.overlap,
-            )
+        self._attached: torch.Tensor | None = None
+        self._build_masters(model_dtype)
+        self.reducer = self._build_reducer(reduce, device) if dp_world_size > 1 else None
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(self.params)
         ]
+
+    # -- construction -----------------------------------------------------------------------------
+
+    def _build_masters(self, model_dtype: torch.dtype) -> None:
+        """fp32 master tensors the torch optimizer steps on, and where they sit."""
+        fp32 = model_dtype == torch.float32
+        if self.stage == 0:
+            self.master_flat = self.model_flat if fp32 else self.model_flat.float()
+            self.masters = (
+                self.params
+                if fp32
+                else [nn.Parameter(v) for v in self.layout.views(self.master_flat)]
+            )
+            if not fp32:
+                _swap_params(self.optimizer, [[m] for m in self.masters], per_param=True)
+            return
+        # Stages 1 and 2: this rank's shard of every group. In fp32 the shard of the model buffer is
+        # itself the master copy, so there is no second one.
+        self.shard_ranges = [
+            self.layout.shard(g, self.dp_rank) for g in range(len(self.layout.groups))
+        ]
+        if fp32:
+            self.master_flat = None
+            self.masters = [nn.Parameter(self.model_flat[s:e]) for s, e in self.shard_ranges]
+        else:
+            self.master_flat = torch.cat(
+                [self.model_flat[s:e] for s, e in self.shard_ranges]
+            ).float()
+            self.masters = [nn.Parameter(v) for v in self._split_shard(self.master_flat)]
+        _swap_params(self.optimizer, [[m] for m in self.masters], per_param=False)
+
+    def _split_shard(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        return list(shard.split([e - s for s, e in self.shard_ranges]))
+
+    def _build_reducer(self, options: ReduceOptions, device: torch.device) -> GradientReducer:
+        pre, post = _reduce_scales(options, self.dp_world_size)
+        sharded = self.stage >= 1 and options.reduce_scatter
+        return GradientReducer(
+            self.layout,
+            options.bucket_elements,
+            self.dp_group,
+            self.grad_dtype,
+            options.comm_dtype or self.grad_dtype,
+            pre,
+            post,
+            collective="reduce" if sharded else "all_reduce",
+            grads=self.grad_flat,
+            device=device,
+            on_reduced=self._add_own_part if self.stage == 2 else None,
+            overlap=options.overlap,
+            # Stage 2 must not hold every bucket at once: that would be the full gradient again.
+            max_in_flight=2 if self.stage == 2 else None,
+        )
 
     # -- backward ---------------------------------------------------------------------------------
 
     def _make_hook(self, index: int):
+        if self.stage == 2:
+
+            def stage2_hook(param: torch.Tensor) -> None:
+                self.reducer.gradient_slot(index).copy_(param.grad)
+                param.grad = None
+                self.reducer.mark_ready(index)
+
+            return stage2_hook
         view = self._grad_views[index]
 
         def hook(param: torch.Tensor) -> None:
@@ -139,16 +210,31 @@ class FlatOptimizer:
 
         return hook
 
+    def _add_own_part(self, start: int, end: int, reduced: torch.Tensor) -> None:
+        for rank, a, b, offset in self.layout.owners(start, end):
+            if rank == self.dp_rank:
+                self.grad_shard[offset : offset + b - a].add_(reduced[a - start : b - start])
+
     def start_micro_step(self, reduce_gradients: bool) -> None:
-        """Say before backward whether this micro-step's gradients are to be averaged."""
+        """Say before backward whether this micro-step's gradients are to be averaged.
+
+        Stage 2 reduces every micro-step: it has nowhere to keep unreduced gradients.
+        """
         if self.reducer is not None:
             self.reducer.reset()
-            self.reducer.active = reduce_gradients
+            self.reducer.active = reduce_gradients or self.stage == 2
 
     def finish_reduction(self) -> None:
         """Complete the averaging that backward started (idempotent)."""
-        if self.reducer is not None:
-            self.reducer.finish()
+        if self.reducer is None:
+            return
+        unused = self.reducer.finish()
+        if unused and not self.ignore_unused_parameters:
+            names = ", ".join(self.param_names[i] for i in unused[:5])
+            raise RuntimeError(
+                f"parameters received no gradient: {names}{' ...' if len(unused) > 5 else ''}; "
+                "set zero_optimization.ignore_unused_parameters true if that is intended"
+            )
 
     @property
     def loss_scale(self) -> float:
@@ -156,56 +242,151 @@ class FlatOptimizer:
 
     # -- step -----------------------------------------------------------------------------------
 
+    def _owned_grads(self) -> torch.Tensor:
+        """This rank's reduced gradients as one fp32 tensor aligned with its master tensors."""
+        if self.stage == 0:
+            owned = self.grad_flat
+        elif self.stage == 1:
+            pieces = [self.grad_flat[s:e] for s, e in self.shard_ranges]
+            owned = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        else:
+            owned = self.grad_shard
+        return owned if owned.dtype == torch.float32 else owned.float()
+
+    def _attach(self, grads: torch.Tensor) -> None:
+        if grads is self._attached:
+            return  # the persistent fp32 buffer: its views are already the masters' gradients
+        views = self.layout.views(grads) if self.stage == 0 else self._split_shard(grads)
+        for master, view in zip(self.masters, views):
+            master.grad = view
+        if grads is self.grad_flat or grads is self.grad_shard:
+            self._attached = grads
+
     def step(self) -> bool:
         """Unscale, check, clip and apply the averaged gradients; False when the step was skipped."""
         self.finish_reduction()
-        grads = self.master_grad_flat
-        if grads is not self.grad_flat:
-            grads.copy_(self.grad_flat)
+        grads = self._owned_grads()
         scale = self.loss_scaler.loss_scale
         # The one host sync of a step: whether to apply it depends on this norm.
-        scaled_norm = torch.linalg.vector_norm(grads).item()
+        scaled_norm = self._global_norm(grads).item()
         overflow = not math.isfinite(scaled_norm)
-        if overflow and not (self.loss_scaler.dynamic or self.skip_nonfinite):
-            self.global_grad_norm = scaled_norm
-            raise NonFiniteGradientError(self._nonfinite_message())
+        self.global_grad_norm = scaled_norm / scale
         if overflow:
-            self.global_grad_norm = scaled_norm
+            if not (self.loss_scaler.dynamic or self.skip_nonfinite):
+                raise NonFiniteGradientError(self._nonfinite_message(grads))
             self.loss_scaler.update(True)
             self.zero_grad()
             return False
-        norm = scaled_norm / scale
-        self.global_grad_norm = norm
         factor = 1.0 / scale
         if self.gradient_clipping > 0:
-            clip_coef = self.gradient_clipping / (norm + 1e-6)
+            clip_coef = self.gradient_clipping / (self.global_grad_norm + 1e-6)
             if clip_coef < 1.0:
                 factor *= clip_coef
         if factor != 1.0:
             grads.mul_(factor)
+        self._attach(grads)
         self.optimizer.step()
-        if self.master_flat is not self.model_flat:
-            self.model_flat.copy_(self.master_flat)
+        if grads is not self._attached:
+            for master in self.masters:
+                master.grad = None  # a temporary fp32 copy: let it go now
+        self._publish()
         self.loss_scaler.update(False)
         self.zero_grad()
         return True
 
-    def _nonfinite_message(self) -> str:
-        for name, view in zip(self.param_names, self._grad_views):
-            if not torch.isfinite(view).all():
-                return (
-                    f"non-finite gradient (inf or NaN) in parameter '{name}'; the weights were not "
-                    "updated. fp32 and bf16 have no loss scale to recover with: check the data, the "
-                    "loss and the learning rate (or set bf16.check_grad_overflow to skip such steps)"
-                )
-        return "non-finite gradient norm; the weights were not updated"
+    def _global_norm(self, grads: torch.Tensor) -> torch.Tensor:
+        if self.stage == 0:
+            return torch.linalg.vector_norm(grads)
+        squares = torch.linalg.vector_norm(grads).square().reshape(1)
+        all_reduce(squares, group=self.dp_group)
+        return squares.sqrt()
+
+    def _publish(self) -> None:
+        """Write the updated masters back into the model's buffer, on every rank."""
+        if self.stage == 0:
+            if self.master_flat is not self.model_flat:
+                self.model_flat.copy_(self.master_flat)
+            return
+        if self.master_flat is not None:
+            for (s, e), master in zip(self.shard_ranges, self._split_shard(self.master_flat)):
+                self.model_flat[s:e].copy_(master)
+        for g, (start, end) in enumerate(self.layout.groups):
+            self._gather_group(self.model_flat[start:end], g)
+
+    def _gather_group(self, region: torch.Tensor, group: int) -> None:
+        size = region.numel() // self.dp_world_size
+        shards = list(region.split(size)) if size else []
+        if not shards:
+            return
+        if not self.gather.all_gather:
+            for rank, shard in enumerate(shards):
+                broadcast(shard, _group_rank_to_global(self.dp_group, rank), group=self.dp_group)
+            return
+        chunk = min(size, self.gather.bucket_elements)
+        for lo in range(0, size, chunk):
+            hi = min(lo + chunk, size)
+            mine = shards[self.dp_rank][lo:hi].clone()
+            if hi - lo == size:
+                all_gather_into_tensor(region, mine, group=self.dp_group)
+            else:
+                all_gather([s[lo:hi] for s in shards], mine, group=self.dp_group)
+
+    def _nonfinite_message(self, grads: torch.Tensor) -> str:
+        flat_index = self._first_nonfinite_flat_index(grads)
+        name = "?"
+        for param_name, offset, numel in zip(
+            self.param_names, self.layout.offsets, self.layout.numels
+        ):
+            if offset <= flat_index < offset + numel:
+                name = param_name
+        return (
+            f"non-finite gradient (inf or NaN) in parameter '{name}'; the weights were not "
+            "updated. fp32 and bf16 have no loss scale to recover with: check the data, the "
+            "loss and the learning rate (or set bf16.check_grad_overflow to skip such steps)"
+        )
+
+    def _first_nonfinite_flat_index(self, grads: torch.Tensor) -> int:
+        bad = (~torch.isfinite(grads)).nonzero()
+        local = self.layout.total
+        if bad.numel():
+            position = int(bad[0, 0])
+            if self.stage == 0:
+                local = position
+            else:
+                for s, e in self.shard_ranges:
+                    if position < e - s:
+                        local = s + position
+                        break
+                    position -= e - s
+        if self.stage == 0:
+            return local
+        found = torch.tensor([local], dtype=torch.int64, device=grads.device)
+        all_reduce(found, op=dist.ReduceOp.MIN, group=self.dp_group)
+        return int(found)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient buffers (they stay allocated: parameters keep views into them)."""
+        """Zero the gradient buffers (they stay allocated: parameters keep views into them)."""
         del set_to_none
-        self.grad_flat.zero_()
-        if self.master_grad_flat is not self.grad_flat:
-            self.master_grad_flat.zero_()
+        (self.grad_flat if self.grad_flat is not None else self.grad_shard).zero_()
+
+    # -- accounting -------------------------------------------------------------------------------
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors behind each kind of model state this rank holds (storages may be shared)."""
+        grads = [self.grad_flat if self.grad_flat is not None else self.grad_shard]
+        grads += [p.grad for p in self.module.parameters() if p.grad is not None]
+        states = [
+            value
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        return {
+            "parameters": list(self.module.parameters()),
+            "gradients": grads,
+            "master_weights": list(self.masters),
+            "optimizer_states": states,
+        }
 
     # -- the torch optimizer's face, for scripts that touch engine.optimizer --------------------
 
@@ -228,40 +409,63 @@ class FlatOptimizer:
         self.loss_scaler.load_state_dict(state["loss_scaler"])
 
     def __repr__(self) -> str:
-        return f"FlatOptimizer({type(self.optimizer).__name__}, {self.layout.total} elements)"
-
-
-def _managed_parameters(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
-    """The optimizer's parameters in reverse model order (roughly the order backward produces them)."""
-    # Frozen parameters get no gradient; the optimizer may list them but they stay out of the buffers.
-    in_optimizer = {
-        p for group in optimizer.param_groups for p in group["params"] if p.requires_grad
-    }
-    ordered = [p for p in module.parameters() if p in in_optimizer]
-    if len(ordered) != len(in_optimizer):
-        raise ValueError(
-            "the optimizer holds parameters that are not in the model passed to initialize(); "
-            "build the optimizer from model.parameters()"
+        return (
+            f"ZeroOptimizer(stage {self.stage}, {type(self.optimizer).__name__}, "
+            f"{self.layout.total} elements)"
         )
-    if not ordered:
-        raise ValueError("the optimizer has no parameters")
-    return list(reversed(ordered))
 
 
-def _swap_optimizer_params(optimizer: torch.optim.Optimizer, mapping: dict) -> None:
+def _managed_groups(
+    module: nn.Module, optimizer: torch.optim.Optimizer
+) -> list[list[nn.Parameter]]:
+    """Each optimizer group's trainable parameters, in reverse model order (roughly backward order).
+
+    Frozen parameters get no gradient; the optimizer may list them but they stay out of the buffers.
+    """
+    order = {p: i for i, p in enumerate(module.parameters())}
+    groups, seen = [], set()
     for group in optimizer.param_groups:
-        group["params"] = [mapping.get(p, p) for p in group["params"]]
-    for old, new in mapping.items():
-        if old in optimizer.state:
-            optimizer.state[new] = optimizer.state.pop(old)
+        trainable = [p for p in group["params"] if p.requires_grad]
+        missing = [p for p in trainable if p not in order]
+        if missing:
+            raise ValueError(
+                "the optimizer holds parameters that are not in the model passed to initialize(); "
+                "build the optimizer from model.parameters()"
+            )
+        if seen.intersection(trainable):
+            raise ValueError("a parameter appears in two optimizer param groups")
+        seen.update(trainable)
+        groups.append(sorted(trainable, key=order.__getitem__, reverse=True))
+    if not seen:
+        raise ValueError("the optimizer has no trainable parameters")
+    return groups
+
+
+def _swap_params(
+    optimizer: torch.optim.Optimizer, masters: list[list[nn.Parameter]], per_param: bool
+) -> None:
+    """Point the optimizer's groups at the master tensors (frozen parameters stay where they are)."""
+    if optimizer.state:
+        raise ValueError(
+            "the optimizer already has state (was it stepped before initialize()?): build it fresh"
+        )
+    if per_param:
+        flat = iter(m for group in masters for m in group)
+        for group in optimizer.param_groups:
+            group["params"] = [next(flat) if p.requires_grad else p for p in group["params"]]
+    else:
+        for group, shard in zip(optimizer.param_groups, masters):
+            group["params"] = shard
 
 
 def _reduce_scales(reduce: ReduceOptions, world: int) -> tuple[float, float]:
     """(before, after) factors of the sum, following DeepSpeed's prescale/predivide rules."""
+    if not reduce.average:
+        return 1.0, 1.0
     if reduce.prescale_gradients:
         return 1.0 / world, 1.0
     return 1.0 / reduce.predivide_factor, reduce.predivide_factor / world
 
 
-def _global_rank_of_group_root(group: Any) -> int:
-    return 0 if group is None else dist.get_global_rank(group, 0)
+def _group_rank_to_global(group: Any, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)

@@ -1,113 +1,180 @@
 """Gradient averaging across the data-parallel group, in buckets, while backward still runs.
 
-A bucket is a contiguous range of the flat gradient buffer. Each parameter's post-accumulate-grad
-hook marks it ready; when a bucket's parameters are all ready its all-reduce is launched
+A bucket is a contiguous range of the flat gradient layout. Each parameter's post-accumulate-grad
+hook marks it ready; when a bucket's parameters are all ready its collective is launched
 asynchronously. Buckets launch strictly in order on every rank (as torch DDP does) so that ranks
 whose hooks fire in a different order still issue the same sequence of collectives.
+
+Two collectives, one mechanism: `all_reduce` leaves the averaged bucket on every rank (stage 0, and
+ZeRO with `reduce_scatter: false`); `reduce` sends each piece of a bucket only to the rank whose
+shard holds it (ZeRO's reduce-scatter, expressed as one reduce per owner so that buckets need not
+align with shards). A bucket's storage is either a view into a full gradient buffer (stages 0 and
+1) or allocated when its first gradient arrives and freed once `on_reduced` has taken the rank's
+own part (stage 2, which never holds the full gradient).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
-from ..comm import all_reduce
+from ..comm import all_reduce, reduce
+from .flat import FlatLayout
 
 
 @dataclass
 class _Bucket:
     start: int
     end: int
-    size: int  # parameters in the bucket
+    params: int
     ready: int = 0
-    work: Any = None
+    buffer: torch.Tensor | None = None
     staging: torch.Tensor | None = None  # the bucket in the communication dtype, if it differs
+    works: list = field(default_factory=list)
 
 
 @dataclass
 class GradientReducer:
-    """Averages `grads` (a flat buffer) over `group`, bucket by bucket.
+    """Averages gradients laid out by `layout` over `group`, bucket by bucket.
 
     `pre_scale` multiplies a bucket before the sum and `post_scale` after it, which expresses
-    DeepSpeed's prescale_gradients / gradient_predivide_factor choices; plain averaging is
-    pre 1/world, post 1 (what torch DDP does).
+    DeepSpeed's prescale_gradients / gradient_predivide_factor choices.
     """
 
-    grads: torch.Tensor
-    param_ranges: Sequence[tuple[int, int]]
+    layout: FlatLayout
     bucket_elements: int
     group: Any
+    grad_dtype: torch.dtype
     comm_dtype: torch.dtype
     pre_scale: float
     post_scale: float
+    collective: Literal["all_reduce", "reduce"] = "all_reduce"
+    grads: torch.Tensor | None = None  # the full gradient buffer; None: buckets allocate
+    device: torch.device | None = None
+    on_reduced: Callable[[int, int, torch.Tensor], None] | None = None
     overlap: bool = True
+    max_in_flight: int | None = None
     active: bool = False
     _buckets: list[_Bucket] = field(default_factory=list)
     _bucket_of: list[int] = field(default_factory=list)
     _next: int = 0
+    _in_flight: deque = field(default_factory=deque)
+    _seen: bytearray = field(default_factory=bytearray)
+    _dst: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for start, end in self.param_ranges:
+        for offset, numel in zip(self.layout.offsets, self.layout.numels):
             last = self._buckets[-1] if self._buckets else None
             if last is None or last.end - last.start >= self.bucket_elements:
-                last = _Bucket(start, end, 0)
+                last = _Bucket(offset, offset, 0)
                 self._buckets.append(last)
-            last.end, last.size = end, last.size + 1
+            last.end, last.params = offset + numel, last.params + 1
             self._bucket_of.append(len(self._buckets) - 1)
+        # Padding rides with the bucket before it, so the buckets tile the whole buffer.
+        for bucket, following in zip(self._buckets, self._buckets[1:]):
+            bucket.end = following.start
         if self._buckets:
-            self._buckets[-1].end = self.grads.numel()  # padding rides with the last bucket
+            self._buckets[-1].end = self.layout.total
+        self._seen = bytearray(len(self.layout.offsets))
+        size = dist.get_world_size(self.group)
+        self._dst = [
+            r if self.group is None else dist.get_global_rank(self.group, r) for r in range(size)
+        ]
 
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
 
+    def gradient_slot(self, index: int) -> torch.Tensor:
+        """Where parameter `index`'s gradient goes in its bucket (allocating the bucket if needed)."""
+        bucket = self._buckets[self._bucket_of[index]]
+        if bucket.buffer is None:
+            bucket.buffer = self._storage(bucket)
+        offset, numel = self.layout.offsets[index], self.layout.numels[index]
+        return bucket.buffer.narrow(0, offset - bucket.start, numel).view(self.layout.shapes[index])
+
+    def _storage(self, bucket: _Bucket) -> torch.Tensor:
+        if self.grads is not None:
+            return self.grads[bucket.start : bucket.end]
+        return torch.zeros(bucket.end - bucket.start, dtype=self.grad_dtype, device=self.device)
+
     def mark_ready(self, index: int) -> None:
         """Parameter `index` has its full gradient for this step; launch what is complete, in order."""
-        if not (self.active and self.overlap):
+        if not self.active:
             return
-        bucket = self._buckets[self._bucket_of[index]]
-        bucket.ready += 1
+        self._seen[index] = 1
+        self._buckets[self._bucket_of[index]].ready += 1
         while self._next < len(self._buckets):
             bucket = self._buckets[self._next]
-            if bucket.ready < bucket.size:
+            if bucket.ready < bucket.params:
                 break
             self._launch(bucket)
             self._next += 1
 
-    def finish(self) -> None:
-        """Launch every bucket not yet launched (unused parameters, or overlap off), wait for all."""
+    def finish(self) -> list[int]:
+        """Launch what is left (buckets with unused parameters) and complete every bucket.
+
+        Returns the indices of parameters that received no gradient this time.
+        """
         if not self.active:
-            return
+            return []
         for bucket in self._buckets[self._next :]:
             self._launch(bucket)
-        for bucket in self._buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            if bucket.staging is not None:
-                chunk = self.grads[bucket.start : bucket.end]
-                chunk.copy_(bucket.staging)
-                if self.post_scale != 1.0:
-                    chunk.mul_(self.post_scale)
-            elif self.post_scale != 1.0:
-                self.grads[bucket.start : bucket.end].mul_(self.post_scale)
-            bucket.ready, bucket.work, bucket.staging = 0, None, None
+        while self._in_flight:
+            self._complete(self._in_flight.popleft())
         self._next = len(self._buckets)
         self.active = False  # done for this step: a second call must not scale again
+        return [i for i, seen in enumerate(self._seen) if not seen]
 
     def reset(self) -> None:
         """Start a new micro-step: no bucket launched yet."""
         self._next = 0
         for bucket in self._buckets:
             bucket.ready = 0
+        self._seen = bytearray(len(self._seen))
 
     def _launch(self, bucket: _Bucket) -> None:
-        chunk = self.grads[bucket.start : bucket.end]
+        if bucket.buffer is None:
+            bucket.buffer = self._storage(bucket)
+        chunk = bucket.buffer
         if self.comm_dtype != chunk.dtype:
             bucket.staging = chunk.to(self.comm_dtype)
             chunk = bucket.staging
         if self.pre_scale != 1.0:
             chunk.mul_(self.pre_scale)
-        bucket.work = all_reduce(chunk, group=self.group, async_op=True)
+        if self.collective == "all_reduce":
+            bucket.works = [all_reduce(chunk, group=self.group, async_op=True)]
+        else:
+            bucket.works = [
+                reduce(
+                    chunk[a - bucket.start : b - bucket.start],
+                    self._dst[rank],
+                    group=self.group,
+                    async_op=True,
+                )
+                for rank, a, b, _ in self.layout.owners(bucket.start, bucket.end)
+            ]
+        self._in_flight.append(bucket)
+        # Without overlap a bucket is reduced before backward goes on, as DeepSpeed does.
+        limit = self.max_in_flight if self.overlap else 0
+        while limit is not None and len(self._in_flight) > limit:
+            self._complete(self._in_flight.popleft())
+
+    def _complete(self, bucket: _Bucket) -> None:
+        for work in bucket.works:
+            work.wait()
+        chunk = bucket.buffer
+        if bucket.staging is not None:
+            chunk.copy_(bucket.staging)
+        if self.post_scale != 1.0:
+            chunk.mul_(self.post_scale)
+        if self.on_reduced is not None:
+            self.on_reduced(bucket.start, bucket.end, chunk)
+        bucket.works, bucket.staging = [], None
+        if self.grads is None:
+            bucket.buffer = None

@@ -1,0 +1,13 @@
+"""DeepSpeed's ``deepspeed.runtime.zero.stage_1_and_2`` import path, for its ZeRO-2 memory estimators."""
+
+from .estimate import (
+    estimate_zero2_model_states_mem_needs,
+    estimate_zero2_model_states_mem_needs_all_cold,
+    estimate_zero2_model_states_mem_needs_all_live,
+)
+
+__all__ = [
+    "estimate_zero2_model_states_mem_needs",
+    "estimate_zero2_model_states_mem_needs_all_cold",
+    "estimate_zero2_model_states_mem_needs_all_live",
+]

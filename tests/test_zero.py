@@ -1,0 +1,294 @@
+"""ZeRO stages 1 and 2: parity with the fp32 single-process reference, precision, overflow,
+memory held per rank against the ZeRO paper's formulas, and the bytes each step moves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardspeed
+from reference_training import (
+    SCHEDULE,
+    assert_close_relative,
+    batch,
+    config,
+    make_model,
+    reference,
+    train,
+)
+from shardspeed.testing import RankFailure, RankPool
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    with RankPool(2) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    with RankPool(4) as pool:
+        yield pool
+
+
+def zero(stage: int, **keys) -> dict:
+    return {"zero_optimization": {"stage": stage, **keys}}
+
+
+FULL = {"gradient_clipping": 0.05, "scheduler": SCHEDULE}  # clipping that bites, and a schedule
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage_matches_reference(pool2, pool4, stage, world):
+    # micro 2 on 2 ranks means 2 accumulation steps; two param groups with their own lr and decay.
+    pool = pool2 if world == 2 else pool4
+    results = pool.run(train, 2, {**zero(stage), **FULL}, True)
+    expected = reference(clip=0.05, groups=True, schedule=True)
+    for result in results:
+        assert_close_relative(result["params"], expected, 1e-5)
+        assert result["global_steps"] == 5
+    assert results[0]["norms"] == results[-1]["norms"]
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"reduce_scatter": False},
+        {"overlap_comm": False},
+        {"allgather_partitions": False},
+        {"allgather_bucket_size": 7, "reduce_bucket_size": 50},
+    ],
+    ids=["all-reduce", "no-overlap", "broadcast-gather", "small-buckets"],
+)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage_options_keep_parity(pool2, stage, keys):
+    results = pool2.run(train, 4, zero(stage, **keys))
+    for result in results:
+        assert_close_relative(result["params"], reference(), 1e-5)
+
+
+@pytest.mark.parametrize(("precision", "tol"), [("fp16", 2e-3), ("bf16", 1e-2)])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_half_precision_equals_stage0(pool2, stage, precision, tol):
+    stage0 = pool2.run(train, 4, {precision: {"enabled": True}})
+    sharded = pool2.run(train, 4, {precision: {"enabled": True}, **zero(stage)})
+    for a, b in zip(stage0, sharded):
+        assert_close_relative(b["params"], a["params"], tol)
+        assert b["norms"] == pytest.approx(a["norms"], rel=1e-3)
+
+
+def inf_on_rank1(stage: int) -> dict:
+    model = make_model()
+    engine, *_ = shardspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={**config(4), **zero(stage), "fp16": {"enabled": True, "hysteresis": 1}},
+    )
+    scales, weights = [], []
+    for step in range(3):
+        x, y = batch(step)
+        xs = x[engine.global_rank * 4 :][:4].clone()
+        if step == 1 and engine.global_rank == 1:
+            xs[0, 0] = float("inf")
+        engine.backward(F.mse_loss(engine(xs.half()).float(), y[engine.global_rank * 4 :][:4]))
+        engine.step()
+        scales.append(engine.loss_scale)
+        weights.append(model[0].weight.detach().float().clone())
+    return {"scales": scales, "skipped": engine.skipped_steps, "same": weights[0].equal(weights[1])}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_inf_on_one_rank_skips_everywhere(pool2, stage):
+    results = pool2.run(inf_on_rank1, stage)
+    for result in results:
+        assert result == {"scales": [2.0**16, 2.0**15, 2.0**15], "skipped": 1, "same": True}
+
+
+# -- memory and traffic -------------------------------------------------------------------------
+
+
+def wide_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 8)
+    )
+
+
+def measure(stage: int, precision: str) -> dict:
+    model = wide_model()
+    num_params = sum(p.numel() for p in model.parameters())
+    extra = {precision: {"enabled": True}} if precision != "fp32" else {}
+    engine, *_ = shardspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "Adam"},
+            **zero(stage),
+            **extra,
+        },
+    )
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(4, 64).to(dtype)
+    shardspeed.comm.reset_comm_volume()
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+    volume = shardspeed.comm.comm_volume()
+    memory = engine.memory_breakdown()
+    return {
+        "P": num_params,
+        "memory": memory,
+        "volume": volume,
+        "total": engine.optimizer.layout.total,
+    }
+
+
+MODEL_STATE_FORMULAS = {  # bytes per parameter as (replicated, divided by N)
+    ("fp16", 0): (16, 0),
+    ("fp16", 1): (4, 12),
+    ("fp16", 2): (2, 14),
+    ("fp32", 0): (16, 0),
+    ("fp32", 1): (8, 8),
+    ("fp32", 2): (4, 12),
+    # bf16 accumulates gradients in fp32: 2 bytes more per gradient element than the paper's fp16.
+    ("bf16", 0): (18, 0),
+    ("bf16", 1): (6, 12),
+    ("bf16", 2): (2, 16),
+}
+
+
+@pytest.mark.parametrize(("precision", "stage"), sorted(MODEL_STATE_FORMULAS))
+@pytest.mark.parametrize("world", [2, 4])
+def test_model_state_bytes_follow_the_zero_paper(pool2, pool4, precision, stage, world):
+    pool = pool2 if world == 2 else pool4
+    replicated, divided = MODEL_STATE_FORMULAS[(precision, stage)]
+    for result in pool.run(measure, stage, precision):
+        memory, p = result["memory"], result["P"]
+        held = memory["total"] - memory["buffers"]
+        expected = replicated * p + divided * p / world
+        assert held == pytest.approx(expected, rel=0.02), memory
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bytes_moved_per_step(pool2, stage):
+    for result in pool2.run(measure, stage, "fp32"):
+        volume, total = result["volume"], result["total"]
+        # Reduce-scatter of the gradient buffer (as reduces to owners) and all-gather of the
+        # parameter buffer, 4 bytes an element; plus one 4-byte all-reduce of the squared norm.
+        assert volume["reduce"]["bytes"] == 4 * total
+        assert volume["all_gather"]["bytes"] == 4 * total
+        assert volume["all_reduce"] == {"calls": 1, "bytes": 4}
+
+
+def test_stage0_bytes_moved_per_step(pool2):
+    for result in pool2.run(measure, 0, "fp32"):
+        assert result["volume"] == {"all_reduce": {"calls": 1, "bytes": 4 * result["total"]}}
+
+
+def test_memory_breakdown_is_logged_after_first_step(caplog):
+    model = wide_model()
+    engine, *_ = shardspeed.initialize(model=model, config={**config(8), **zero(1)})
+    with caplog.at_level("INFO", logger="shardspeed"):
+        engine.backward(engine(torch.randn(8, 64)).square().mean())
+        engine.step()
+    assert "model state held per rank after the first step: parameters" in caplog.text
+
+
+# -- unusual parameters, and refusals -----------------------------------------------------------
+
+
+class Awkward(nn.Module):
+    """An unused layer, a frozen layer, and one weight shared by two modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+        self.unused = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(self.frozen(x))))
+
+
+def train_awkward(stage: int, ignore_unused: bool = True) -> list[torch.Tensor]:
+    model = Awkward()
+    engine, *_ = shardspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={
+            "train_batch_size": 8,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+            **zero(stage, ignore_unused_parameters=ignore_unused),
+        },
+    )
+    gen = torch.Generator().manual_seed(7)
+    x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)
+    rank, world = engine.global_rank, engine.dp_world_size
+    part = 8 // world
+    for _ in range(3):
+        engine.backward(F.mse_loss(engine(x[rank * part :][:part]), y[rank * part :][:part]))
+        engine.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_unused_frozen_and_shared_parameters(pool2, stage):
+    expected = train_awkward(0)  # one process: the plain reference path
+    initial = [p.detach() for p in Awkward().parameters()]
+    for params in pool2.run(train_awkward, stage):
+        assert_close_relative(params[2:4], expected[2:4], 1e-5)  # a (its weight shared with b)
+        for i in (0, 1, 5, 6):  # frozen, then unused (no gradient, no decay): unchanged
+            assert params[i].equal(initial[i])
+
+
+def test_unused_parameters_refused_when_asked(pool2):
+    with pytest.raises(RankFailure, match=r"parameters received no gradient: unused\.bias, unused\.weight"):
+        pool2.run(train_awkward, 2, False)
+
+
+def no_sync_stage2() -> str:
+    model = make_model()
+    engine, *_ = shardspeed.initialize(model=model, config={**config(4), **zero(2)})
+    try:
+        with engine.no_sync():
+            pass
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_no_sync_refused_at_stage2(pool2):
+    assert all("not available with ZeRO stage 2" in r for r in pool2.run(no_sync_stage2))
+
+
+class Custom(torch.optim.Optimizer):
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def test_untested_client_optimizer_needs_the_flag():
+    model = make_model()
+    with pytest.raises(shardspeed.ConfigError, match="zero_allow_untested_optimizer"):
+        shardspeed.initialize(
+            model=model,
+            optimizer=Custom(model.parameters()),
+            config={"train_batch_size": 8, **zero(1)},
+        )
+    engine, *_ = shardspeed.initialize(
+        model=model,
+        optimizer=Custom(model.parameters()),
+        config={"train_batch_size": 8, "zero_allow_untested_optimizer": True, **zero(1)},
+    )
+    assert engine.zero_optimization_stage() == 1
