@@ -249,7 +249,9 @@ def test_unused_frozen_and_shared_parameters(pool2, stage):
 
 
 def test_unused_parameters_refused_when_asked(pool2):
-    with pytest.raises(RankFailure, match=r"parameters received no gradient: unused\.bias, unused\.weight"):
+    with pytest.raises(
+        RankFailure, match=r"parameters received no gradient: unused\.bias, unused\.weight"
+    ):
         pool2.run(train_awkward, 2, False)
 
 
