@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from torch import nn
+from tqdm import tqdm
 
 from . import comm
 from .comm import init_distributed
@@ -34,11 +35,21 @@ class _RankZeroOnly(logging.Filter):
         return record.levelno >= logging.ERROR or comm.get_rank() == 0
 
 
+class _ProgressBarSafeHandler(logging.StreamHandler):
+    """Writes through tqdm, so log lines land above a running progress bar instead of inside it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
 def _setup_logging() -> None:
     logger = logging.getLogger("shardspeed")
     if logger.handlers:
         return
-    handler = logging.StreamHandler()
+    handler = _ProgressBarSafeHandler()
     handler.setFormatter(logging.Formatter("[shardspeed] %(levelname)s %(message)s"))
     handler.addFilter(_RankZeroOnly())
     logger.addHandler(handler)
