@@ -51,6 +51,12 @@ def test_stage_matches_reference(pool2, pool4, stage, world):
         assert_close_relative(result["params"], expected, 1e-5)
         assert result["global_steps"] == 5
     assert results[0]["norms"] == results[-1]["norms"]
+    # The reported norm is the true global one, summed over shards: compare step 0's.
+    model = make_model()
+    x, y = batch(0)
+    F.mse_loss(model(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+    assert results[0]["norms"][0] == pytest.approx(norm, rel=1e-5)
 
 
 @pytest.mark.parametrize(
