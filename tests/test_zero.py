@@ -300,3 +300,24 @@ def test_untested_client_optimizer_needs_the_flag():
         config={"train_batch_size": 8, "zero_allow_untested_optimizer": True, **zero(1)},
     )
     assert engine.zero_optimization_stage() == 1
+
+
+def nonfinite_fp32(stage: int) -> None:
+    model = make_model()
+    engine, *_ = shardspeed.initialize(model=model, config={**config(4), **zero(stage)})
+    x, y = batch(0)
+    xs = x[engine.global_rank * 4 :][:4].clone()
+    if engine.global_rank == 1:
+        xs[0, 0] = float("nan")
+    engine.backward(F.mse_loss(engine(xs), y[engine.global_rank * 4 :][:4]))
+    engine.step()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_nonfinite_fp32_gradient_names_the_parameter_on_every_rank(pool2, stage):
+    with pytest.raises(RankFailure) as err:
+        pool2.run(nonfinite_fp32, stage)
+    text = str(err.value)
+    assert (
+        text.count("NonFiniteGradientError: non-finite gradient (inf or NaN) in parameter '4.") == 2
+    )

@@ -146,7 +146,7 @@ class ZeroOptimizer:
                 else [nn.Parameter(v) for v in self.layout.views(self.master_flat)]
             )
             if not fp32:
-                _swap_params(self.optimizer, [[m] for m in self.masters], per_param=True)
+                _swap_params(self.optimizer, dict(zip(self.params, self.masters)), per_param=True)
             return
         # Stages 1 and 2: this rank's shard of every group. In fp32 the shard of the model buffer is
         # itself the master copy, so there is no second one.
@@ -441,18 +441,18 @@ def _managed_groups(
     return groups
 
 
-def _swap_params(
-    optimizer: torch.optim.Optimizer, masters: list[list[nn.Parameter]], per_param: bool
-) -> None:
-    """Point the optimizer's groups at the master tensors (frozen parameters stay where they are)."""
+def _swap_params(optimizer: torch.optim.Optimizer, masters: Any, per_param: bool) -> None:
+    """Point the optimizer's groups at the master tensors (frozen parameters stay where they are).
+
+    `masters` maps each parameter to its master (stage 0), or lists each group's flat shard.
+    """
     if optimizer.state:
         raise ValueError(
             "the optimizer already has state (was it stepped before initialize()?): build it fresh"
         )
     if per_param:
-        flat = iter(m for group in masters for m in group)
         for group in optimizer.param_groups:
-            group["params"] = [next(flat) if p.requires_grad else p for p in group["params"]]
+            group["params"] = [masters.get(p, p) for p in group["params"]]
     else:
         for group, shard in zip(optimizer.param_groups, masters):
             group["params"] = shard
