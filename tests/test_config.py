@@ -354,3 +354,14 @@ def test_input_dict_is_not_modified():
     snapshot = json.loads(json.dumps(raw))
     load_config(raw, 1)
     assert raw == snapshot
+
+
+def test_config_keys_page_is_current():
+    from pathlib import Path
+
+    from shardspeed.config.report import render
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "config-keys.md"
+    assert page.read_text() == render(), (
+        "run: python -m shardspeed.config.report > docs/config-keys.md"
+    )

@@ -250,6 +250,7 @@ class ShardSpeedConfig(StrictModel):
 
     not_supported_until: ClassVar[dict[str, str]] = {
         "managed_gradient_accumulation": NOT_PLANNED,
+        "zero_force_ds_cpu_optimizer": ISSUE_OFFLOAD,
         "memory_breakdown": ISSUE_TOOLS,
         "dump_state": ISSUE_TOOLS,
         "disable_python_gc": NOT_PLANNED,
