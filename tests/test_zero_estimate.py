@@ -164,11 +164,11 @@ def test_offload_split() -> None:
 def test_invalid_arguments(kwargs: dict[str, object], message: str) -> None:
     arguments = {"num_params": 1_000, "dp_world_size": 2, "stage": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
-        model_state_bytes(**arguments)  # type: ignore[arg-type]
+        model_state_bytes(**arguments)
 
 
 def test_whole_float_sizes_are_accepted() -> None:
-    assert model_state_bytes(7.5e9, 1, 0)["total"] == 120e9  # type: ignore[arg-type]
+    assert model_state_bytes(7.5e9, 1, 0)["total"] == 120e9
 
 
 class TiedModel(nn.Module):
@@ -294,9 +294,9 @@ def test_all_cold_matches_all_live(capsys: pytest.CaptureFixture[str]) -> None:
 )
 def test_deepspeed_estimators_reject_bad_setups(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        estimate_zero2_model_states_mem_needs_all_cold(1_000, **kwargs)  # type: ignore[arg-type]
+        estimate_zero2_model_states_mem_needs_all_cold(1_000, **kwargs)
     with pytest.raises(ValueError, match=message):
-        estimate_zero3_model_states_mem_needs_all_cold(1_000, 10, **kwargs)  # type: ignore[arg-type]
+        estimate_zero3_model_states_mem_needs_all_cold(1_000, 10, **kwargs)
 
 
 def test_deepspeed_import_paths_through_the_alias(tmp_path: Path) -> None:
