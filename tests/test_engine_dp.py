@@ -415,3 +415,22 @@ def test_wall_clock_breakdown_and_progress_lines(caplog):
             engine.step()
     assert "step=2, skipped=0, lr=[1.0000e-02]" in caplog.text
     assert "forward:" in caplog.text and "backward:" in caplog.text and "step:" in caplog.text
+
+
+def test_batch_size_setters():
+    model = make_model()
+    engine, *_ = shardspeed.initialize(model=model, config=config(2))  # 1 rank: accumulation 4
+    engine.set_train_batch_size(4)
+    assert (engine.train_batch_size(), engine.gradient_accumulation_steps()) == (4, 2)
+    x, y = batch(0)
+    boundaries = []
+    for i in range(4):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(F.mse_loss(engine(x[2 * i : 2 * i + 2]), y[2 * i : 2 * i + 2]))
+        engine.step()
+    assert boundaries == [False, True, False, True] and engine.global_steps == 2
+    assert engine.micro_steps == 4
+    engine.set_train_micro_batch_size(4)
+    assert (engine.train_batch_size(), engine.gradient_accumulation_steps()) == (8, 2)
+    with pytest.raises(ValueError, match="positive multiple"):
+        engine.set_train_batch_size(6)

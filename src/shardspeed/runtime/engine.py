@@ -61,6 +61,7 @@ class ShardSpeedEngine(nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self._first_micro_step = 0
         self._step_applied = False
         self._in_no_sync = False
         self._timers: dict[str, float] = {}
@@ -270,7 +271,8 @@ class ShardSpeedEngine(nn.Module):
             self.optimizer.start_micro_step(self._reduces_this_micro_step())
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        micro_step = self.micro_steps - self._first_micro_step
+        return (micro_step + 1) % self.gradient_accumulation_steps() == 0
 
     def zero_grad(self) -> None:
         if self.optimizer is not None:
@@ -344,6 +346,37 @@ class ShardSpeedEngine(nn.Module):
     @property
     def loss_scale(self) -> float:
         return self.optimizer.loss_scale if self.optimizer is not None else 1.0
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch by changing the accumulation steps (the micro batch stays)."""
+        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if train_batch_size <= 0 or train_batch_size % per_step:
+            raise ValueError(
+                f"train_batch_size {train_batch_size} must be a positive multiple of micro batch x "
+                f"data-parallel size = {per_step}"
+            )
+        self._set_batch(train_batch_size, self.train_micro_batch_size_per_gpu())
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Change the micro batch (the accumulation steps stay, so the global batch follows)."""
+        if micro_batch_size <= 0:
+            raise ValueError(f"micro batch size must be positive, got {micro_batch_size}")
+        gas = self.gradient_accumulation_steps()
+        self._set_batch(micro_batch_size * gas * self.dp_world_size, micro_batch_size)
+
+    def _set_batch(self, train_batch_size: int, micro_batch_size: int) -> None:
+        if (self.micro_steps - self._first_micro_step) % self.gradient_accumulation_steps():
+            raise RuntimeError("change the batch size only at an accumulation boundary")
+        self.config = self.config.model_copy(
+            update={
+                "train_batch_size": train_batch_size,
+                "train_micro_batch_size_per_gpu": micro_batch_size,
+                "gradient_accumulation_steps": train_batch_size
+                // (micro_batch_size * self.dp_world_size),
+            }
+        )
+        self._first_micro_step = self.micro_steps  # boundaries count from here with the new GAS
+        self._prepare_micro_step()
 
     def train_batch_size(self) -> int:
         return self.config.train_batch_size
