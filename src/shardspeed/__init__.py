@@ -1,19 +1,18 @@
-"""shardspeed: DeepSpeed's API on plain PyTorch. `import shardspeed as deepspeed` and keep your script."""
+"""shardspeed: DeepSpeed's API on plain PyTorch. `import shardspeed as deepspeed` and keep your script.
+
+The package imports torch only when something that needs it is first used, so that the `shardspeed`
+launcher starts torchrun without paying for a torch import of its own.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
-from typing import Any
+import sys
 
-from torch import nn
 from tqdm import tqdm
-
-from . import comm
-from .comm import init_distributed
-from .config import ConfigError, ShardSpeedConfig, load_config, non_default_settings
-from .runtime import ShardSpeedEngine
 
 __version__ = "0.1.0"
 __all__ = [
@@ -32,7 +31,14 @@ class _RankZeroOnly(logging.Filter):
     """Every rank validates the same config; say things once (errors still come from every rank)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR or comm.get_rank() == 0
+        return record.levelno >= logging.ERROR or _rank() == 0
+
+
+def _rank() -> int:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
 
 
 class _ProgressBarSafeHandler(logging.StreamHandler):
@@ -70,76 +76,39 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def initialize(
-    args: Any = None,
-    model: nn.Module | None = None,
-    optimizer: Any = None,
-    model_parameters: Any = None,
-    training_data: Any = None,
-    lr_scheduler: Any = None,
-    distributed_port: int = 29500,
-    mpu: Any = None,
-    dist_init_required: bool | None = None,
-    collate_fn: Any = None,
-    config: Any = None,
-    mesh_param: Any = None,
-    config_params: Any = None,
-) -> tuple[ShardSpeedEngine, Any, Any, Any]:
-    """Build the engine, as `deepspeed.initialize`: returns (engine, optimizer, dataloader, scheduler)."""
-    if model is None:
-        raise ValueError("initialize() needs a model")
-    if mesh_param is not None:
-        raise ConfigError("mesh_param is not supported yet (issue 8: 3D topologies)")
-    source = _config_source(args, config, config_params)
-    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    topology = comm.Topology.build(mpu)
-    run_config = load_config(source, topology.dp_world_size)
-    logger = logging.getLogger("shardspeed")
-    logger.info(
-        "world size %d (data parallel %d), batch %d = micro %d x accumulation %d x %d ranks",
-        topology.world_size,
-        topology.dp_world_size,
-        run_config.train_batch_size,
-        run_config.train_micro_batch_size_per_gpu,
-        run_config.gradient_accumulation_steps,
-        topology.dp_world_size,
-    )
-    for line in non_default_settings(run_config):
-        logger.info("config: %s", line)
-    engine = ShardSpeedEngine(
-        model,
-        run_config,
-        topology,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler,
-        training_data=training_data,
-        collate_fn=collate_fn,
-    )
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+# Public names that live in rooms importing torch: loaded on first use (PEP 562).
+_LAZY = {
+    "initialize": "shardspeed.runtime.api",
+    "ShardSpeedEngine": "shardspeed.runtime.engine",
+    "init_distributed": "shardspeed.comm",
+    "ConfigError": "shardspeed.config",
+    "ShardSpeedConfig": "shardspeed.config",
+}
+_SUBMODULES = (
+    "comm",
+    "compat",
+    "config",
+    "launcher",
+    "ops",
+    "optim",
+    "precision",
+    "runtime",
+    "testing",
+    "utils",
+    "zero",
+)
 
 
-def _config_source(args: Any, config: Any, config_params: Any) -> Any:
-    """Exactly one of config=, config_params= or args.deepspeed_config must name the config."""
-    from_args = None
-    if args is not None:
-        from_args = getattr(args, "deepspeed_config", None) or getattr(
-            args, "deepscale_config", None
-        )
-    given = {
-        name: value
-        for name, value in (
-            ("config", config),
-            ("config_params", config_params),
-            ("args.deepspeed_config", from_args),
-        )
-        if value is not None
-    }
-    if not given:
-        raise ConfigError(
-            "no config given: pass config= (a dict or a JSON path) or --deepspeed_config on the "
-            "command line (with add_config_arguments(parser))"
-        )
-    if len(given) > 1:
-        raise ConfigError(f"the config is given twice ({' and '.join(given)}): keep one")
-    return next(iter(given.values()))
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module 'shardspeed' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})
