@@ -87,8 +87,10 @@ def train(micro: int, extra: dict | None = None, groups: bool = False) -> dict:
             engine.backward(loss)
             engine.step()
         norms.append(engine.get_global_grad_norm())
+    with shardspeed.zero.GatheredParameters(list(model.parameters())):  # whole even at stage 3
+        params = [p.detach().float().clone() for p in model.parameters()]
     return {
-        "params": [p.detach().float().clone() for p in model.parameters()],
+        "params": params,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "skipped": engine.skipped_steps,

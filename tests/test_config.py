@@ -224,8 +224,8 @@ BAD_CONFIGS = [
     ),
     ({"zero_optimization": {"stage": 5}}, "'zero_optimization.stage'"),
     (
-        {"zero_optimization": {"stage": 3}},
-        "'zero_optimization.stage' 3 is not supported yet (issue 4",
+        {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 10}},
+        "'zero_optimization.stage3_max_live_parameters' is a DeepSpeed key",
     ),
     (
         {"zero_optimization": {"round_robin_gradients": True}},

@@ -40,12 +40,22 @@ def zero(stage: int, **keys) -> dict:
 FULL = {"gradient_clipping": 0.05, "scheduler": SCHEDULE}  # clipping that bites, and a schedule
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+# Stage 3 twice: with every parameter sharded, and with the default persistence threshold (which
+# keeps all of this small model's parameters whole).
+STAGES = {
+    "s1": zero(1),
+    "s2": zero(2),
+    "s3": zero(3, stage3_param_persistence_threshold=0),
+    "s3-persistent": zero(3),
+}
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
 @pytest.mark.parametrize("world", [2, 4])
 def test_stage_matches_reference(pool2, pool4, stage, world):
     # micro 2 on 2 ranks means 2 accumulation steps; two param groups with their own lr and decay.
     pool = pool2 if world == 2 else pool4
-    results = pool.run(train, 2, {**zero(stage), **FULL}, True)
+    results = pool.run(train, 2, {**STAGES[stage], **FULL}, True)
     expected = reference(clip=0.05, groups=True, schedule=True)
     for result in results:
         assert_close_relative(result["params"], expected, 1e-5)
@@ -77,10 +87,10 @@ def test_stage_options_keep_parity(pool2, stage, keys):
 
 
 @pytest.mark.parametrize(("precision", "tol"), [("fp16", 2e-3), ("bf16", 1e-2)])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", ["s1", "s2", "s3"])
 def test_half_precision_equals_stage0(pool2, stage, precision, tol):
     stage0 = pool2.run(train, 4, {precision: {"enabled": True}})
-    sharded = pool2.run(train, 4, {precision: {"enabled": True}, **zero(stage)})
+    sharded = pool2.run(train, 4, {precision: {"enabled": True}, **STAGES[stage]})
     for a, b in zip(stage0, sharded):
         assert_close_relative(b["params"], a["params"], tol)
         assert b["norms"] == pytest.approx(a["norms"], rel=1e-3)
@@ -91,7 +101,7 @@ def inf_on_rank1(stage: int) -> dict:
     engine, *_ = shardspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
-        config={**config(4), **zero(stage), "fp16": {"enabled": True, "hysteresis": 1}},
+        config={**config(4), **STAGES[stage], "fp16": {"enabled": True, "hysteresis": 1}},
     )
     scales, weights = [], []
     for step in range(3):
@@ -102,11 +112,12 @@ def inf_on_rank1(stage: int) -> dict:
         engine.backward(F.mse_loss(engine(xs.half()).float(), y[engine.global_rank * 4 :][:4]))
         engine.step()
         scales.append(engine.loss_scale)
-        weights.append(model[0].weight.detach().float().clone())
+        with shardspeed.zero.GatheredParameters(model[0].weight):
+            weights.append(model[0].weight.detach().float().clone())
     return {"scales": scales, "skipped": engine.skipped_steps, "same": weights[0].equal(weights[1])}
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", ["s1", "s2", "s3"])
 def test_inf_on_one_rank_skips_everywhere(pool2, stage):
     results = pool2.run(inf_on_rank1, stage)
     for result in results:
@@ -133,7 +144,7 @@ def measure(stage: int, precision: str) -> dict:
         config={
             "train_micro_batch_size_per_gpu": 4,
             "optimizer": {"type": "Adam"},
-            **zero(stage),
+            **(STAGES["s3"] if stage == 3 else zero(stage)),
             **extra,
         },
     )
@@ -163,6 +174,10 @@ MODEL_STATE_FORMULAS = {  # bytes per parameter as (replicated, divided by N)
     ("bf16", 0): (18, 0),
     ("bf16", 1): (6, 12),
     ("bf16", 2): (2, 16),
+    # Stage 3 with every parameter sharded (persistence threshold 0): 16P/N (18P/N for bf16).
+    ("fp16", 3): (0, 16),
+    ("fp32", 3): (0, 16),
+    ("bf16", 3): (0, 18),
 }
 
 
@@ -186,6 +201,15 @@ def test_bytes_moved_per_step(pool2, stage):
         # parameter buffer, 4 bytes an element; plus one 4-byte all-reduce of the squared norm.
         assert volume["reduce"]["bytes"] == 4 * total
         assert volume["all_gather"]["bytes"] == 4 * total
+        assert volume["all_reduce"] == {"calls": 1, "bytes": 4}
+
+
+def test_stage3_bytes_moved_per_step(pool2):
+    for result in pool2.run(measure, 3, "fp32"):
+        volume, total = result["volume"], result["total"]
+        # Parameters gathered for forward and again for backward; gradients reduce-scattered.
+        assert volume["all_gather"]["bytes"] == 2 * 4 * total
+        assert volume["reduce"]["bytes"] == 4 * total
         assert volume["all_reduce"] == {"calls": 1, "bytes": 4}
 
 
@@ -321,3 +345,73 @@ def test_nonfinite_fp32_gradient_names_the_parameter_on_every_rank(pool2, stage)
     assert (
         text.count("NonFiniteGradientError: non-finite gradient (inf or NaN) in parameter '4.") == 2
     )
+
+
+class Blocks(nn.Module):
+    """Blocks in a ModuleList (one gather unit each), block 0 called twice, tied embedding and head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(torch.tanh(self.blocks[0](h)))
+
+
+def train_blocks(stage_keys: dict) -> list[torch.Tensor]:
+    model = Blocks()
+    engine, *_ = shardspeed.initialize(
+        model=model,
+        config={
+            "train_batch_size": 8,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            **stage_keys,
+        },
+    )
+    gen = torch.Generator().manual_seed(3)
+    rank, world = engine.global_rank, engine.dp_world_size
+    for _ in range(4):
+        idx = torch.randint(0, 16, (8, 5), generator=gen)
+        mine = idx[rank * (8 // world) :][: 8 // world]
+        logits = engine(mine[:, :-1])
+        engine.backward(F.cross_entropy(logits.reshape(-1, 16), mine[:, 1:].reshape(-1)))
+        engine.step()
+    with shardspeed.zero.GatheredParameters(list(model.parameters())):
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def test_stage3_units_repeated_block_and_tied_weights(pool2):
+    expected = train_blocks(zero(0))
+    for params in pool2.run(train_blocks, STAGES["s3"]):
+        assert_close_relative(params, expected, 1e-5)
+
+
+def modify_under_gather() -> dict:
+    model = make_model()
+    engine, *_ = shardspeed.initialize(model=model, config={**config(4), **STAGES["s3"]})
+    weight = model[2].weight
+    released = weight.numel()
+    with shardspeed.zero.GatheredParameters(weight, modifier_rank=1):
+        if engine.global_rank == 1:
+            weight.data.fill_(0.5)
+    with shardspeed.zero.GatheredParameters(weight):
+        seen = weight.detach().clone()
+    masters = engine.optimizer.masters
+    return {
+        "released": released,
+        "all_half": bool((seen == 0.5).all()),
+        "master_has_half": any(bool((m == 0.5).any()) for m in masters),
+        "after": weight.numel(),
+    }
+
+
+def test_gathered_parameters_modifier_rank(pool2):
+    for result in pool2.run(modify_under_gather):
+        assert result == {"released": 0, "all_half": True, "master_has_half": True, "after": 0}

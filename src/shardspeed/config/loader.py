@@ -25,7 +25,7 @@ from .batch import BATCH_KEYS, resolve_batch
 from .errors import ConfigError, closest, key_path
 from .optimizer import OPTIMIZER_PARAMS, canonical_optimizer_name
 from .scheduler import SCHEDULER_PARAMS
-from .schema import ISSUE_ZERO3, REMOVED_KEYS, ShardSpeedConfig
+from .schema import REMOVED_KEYS, ShardSpeedConfig
 
 logger = logging.getLogger("shardspeed")
 
@@ -318,11 +318,6 @@ def _cross_section(config: ShardSpeedConfig) -> list[str]:
     if config.fp16.enabled and config.bf16.enabled:
         problems.append("'fp16.enabled' and 'bf16.enabled' are both true: choose one precision")
     stage = config.zero_optimization.stage
-    if stage == 3:
-        problems.append(
-            f"'zero_optimization.stage' 3 is not supported yet ({ISSUE_ZERO3}); this release runs "
-            "stages 0, 1 and 2"
-        )
     lamb = (
         config.optimizer is not None and canonical_optimizer_name(config.optimizer.type) == "Lamb"
     )

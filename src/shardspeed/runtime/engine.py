@@ -157,6 +157,10 @@ class ShardSpeedEngine(nn.Module):
             reduce=reduce,
             gather=gather,
             ignore_unused_parameters=zero.ignore_unused_parameters,
+            persistence=(
+                zero.stage3_param_persistence_threshold,
+                zero.stage3_model_persistence_threshold,
+            ),
         )
 
     def _build_scheduler(self, client: Any) -> Any:

@@ -3,11 +3,13 @@
 from .estimate import model_state_bytes
 from .flat import FlatLayout
 from .optimizer import GatherOptions, NonFiniteGradientError, ReduceOptions, ZeroOptimizer
+from .partitioned import GatheredParameters
 from .reducer import GradientReducer
 
 __all__ = [
     "FlatLayout",
     "GatherOptions",
+    "GatheredParameters",
     "GradientReducer",
     "NonFiniteGradientError",
     "ReduceOptions",

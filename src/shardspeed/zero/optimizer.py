@@ -30,6 +30,7 @@ from torch import nn
 from ..comm import all_gather, all_gather_into_tensor, all_reduce, broadcast
 from ..precision import LossScaler, StaticLossScaler
 from .flat import FlatLayout
+from .partitioned import ShardedParameters, Unit, plan_units
 from .reducer import GradientReducer
 
 
@@ -80,6 +81,7 @@ class ZeroOptimizer:
         reduce: ReduceOptions,
         gather: GatherOptions | None = None,
         ignore_unused_parameters: bool = True,
+        persistence: tuple[int, int] = (100_000, 2**63 - 1),
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -94,20 +96,42 @@ class ZeroOptimizer:
         self.gather = gather or GatherOptions()
 
         groups = _managed_groups(module, optimizer)
-        self.params = [p for group in groups for p in group]
+        # A region is what the optimizer steps as one tensor: a param group, or at stage 3 the
+        # part of a param group inside one gather unit.
+        units = (
+            plan_units(module, [p for g in groups for p in g], *persistence)
+            if self.stage == 3
+            else []
+        )
+        regions, self.region_group, unit_regions = _regions(groups, units)
+        self.params = [p for region in regions for p in region]
         names = {p: n for n, p in module.named_parameters()}
         self.param_names = [names[p] for p in self.params]
         model_dtype, device = self.params[0].dtype, self.params[0].device
         if any(p.dtype != model_dtype or p.device != device for p in self.params):
             raise ValueError("all trainable parameters must share one dtype and device")
-        self.layout = FlatLayout.of(groups, dp_world_size if self.stage >= 1 else 1)
+        self.layout = FlatLayout.of(regions, dp_world_size if self.stage >= 1 else 1)
+        self.shard_ranges = [self.layout.shard(r, dp_rank) for r in range(len(regions))]
 
         # Model weights: one buffer, every parameter a view into it, identical on every rank.
+        # At stage 3 only this rank's shard of that buffer is kept; units are gathered on use.
         self.model_flat = self.layout.flatten(self.params, model_dtype, device)
         if dp_world_size > 1:
             broadcast(self.model_flat, src=_group_rank_to_global(dp_group, 0), group=dp_group)
-        for p, view in zip(self.params, self.layout.views(self.model_flat)):
-            p.data = view
+        self.sharded_params: ShardedParameters | None = None
+        if self.stage == 3:
+            shard = torch.cat([self.model_flat[s:e] for s, e in self.shard_ranges])
+            offsets = [0]
+            for s, e in self.shard_ranges:
+                offsets.append(offsets[-1] + e - s)
+            self.model_flat = None
+            self.sharded_params = ShardedParameters(
+                units, self.layout, unit_regions, offsets, shard, self.params, dp_group
+            )
+            self.sharded_params.refresh_persistent()
+        else:
+            for p, view in zip(self.params, self.layout.views(self.model_flat)):
+                p.data = view
 
         # Gradients accumulate in fp32 unless the model is fp16 (DeepSpeed keeps fp16 gradients).
         self.grad_dtype = torch.float16 if model_dtype == torch.float16 else torch.float32
@@ -127,6 +151,11 @@ class ZeroOptimizer:
 
         self._attached: torch.Tensor | None = None
         self._build_masters(model_dtype)
+        if self.sharded_params is not None and self.master_flat is not None:
+            # GatheredParameters(modifier_rank=...) changed the shard: the fp32 master follows.
+            self.sharded_params.after_write = lambda: self.master_flat.copy_(
+                self.sharded_params.shard
+            )
         self.reducer = self._build_reducer(reduce, device) if dp_world_size > 1 else None
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -148,20 +177,23 @@ class ZeroOptimizer:
             if not fp32:
                 _swap_params(self.optimizer, dict(zip(self.params, self.masters)), per_param=True)
             return
-        # Stages 1 and 2: this rank's shard of every group. In fp32 the shard of the model buffer is
-        # itself the master copy, so there is no second one.
-        self.shard_ranges = [
-            self.layout.shard(g, self.dp_rank) for g in range(len(self.layout.groups))
-        ]
+        # Stages 1 to 3: this rank's shard of every region. In fp32 the shard of the model buffer
+        # is itself the master copy, so there is no second one.
+        own = (
+            self._split_shard(self.sharded_params.shard)
+            if self.sharded_params is not None
+            else [self.model_flat[s:e] for s, e in self.shard_ranges]
+        )
         if fp32:
             self.master_flat = None
-            self.masters = [nn.Parameter(self.model_flat[s:e]) for s, e in self.shard_ranges]
+            self.masters = [nn.Parameter(v) for v in own]
         else:
-            self.master_flat = torch.cat(
-                [self.model_flat[s:e] for s, e in self.shard_ranges]
-            ).float()
+            self.master_flat = torch.cat(own).float()
             self.masters = [nn.Parameter(v) for v in self._split_shard(self.master_flat)]
-        _swap_params(self.optimizer, [[m] for m in self.masters], per_param=False)
+        by_group: list[list[nn.Parameter]] = [[] for _ in self.optimizer.param_groups]
+        for master, group in zip(self.masters, self.region_group):
+            by_group[group].append(master)
+        _swap_params(self.optimizer, by_group, per_param=False)
 
     def _split_shard(self, shard: torch.Tensor) -> list[torch.Tensor]:
         return list(shard.split([e - s for s, e in self.shard_ranges]))
@@ -180,23 +212,25 @@ class ZeroOptimizer:
             collective="reduce" if sharded else "all_reduce",
             grads=self.grad_flat,
             device=device,
-            on_reduced=self._add_own_part if self.stage == 2 else None,
+            on_reduced=self._add_own_part if self.stage >= 2 else None,
             overlap=options.overlap,
             # Stage 2 must not hold every bucket at once: that would be the full gradient again.
-            max_in_flight=2 if self.stage == 2 else None,
+            max_in_flight=2 if self.stage >= 2 else None,
         )
 
     # -- backward ---------------------------------------------------------------------------------
 
     def _make_hook(self, index: int):
-        if self.stage == 2:
+        if self.stage >= 2:
 
-            def stage2_hook(param: torch.Tensor) -> None:
+            def sharded_hook(param: torch.Tensor) -> None:
                 self.reducer.gradient_slot(index).copy_(param.grad)
                 param.grad = None
                 self.reducer.mark_ready(index)
+                if self.sharded_params is not None:
+                    self.sharded_params.gradient_done(index)
 
-            return stage2_hook
+            return sharded_hook
         view = self._grad_views[index]
 
         def hook(param: torch.Tensor) -> None:
@@ -222,10 +256,14 @@ class ZeroOptimizer:
         """
         if self.reducer is not None:
             self.reducer.reset()
-            self.reducer.active = reduce_gradients or self.stage == 2
+            self.reducer.active = reduce_gradients or self.stage >= 2
+        if self.sharded_params is not None:
+            self.sharded_params.start_backward_accounting()
 
     def finish_reduction(self) -> None:
         """Complete the averaging that backward started (idempotent)."""
+        if self.sharded_params is not None:
+            self.sharded_params.release_all()  # units whose parameters got no gradient
         if self.reducer is None:
             return
         unused = self.reducer.finish()
@@ -307,6 +345,11 @@ class ZeroOptimizer:
             if self.master_flat is not self.model_flat:
                 self.model_flat.copy_(self.master_flat)
             return
+        if self.sharded_params is not None:
+            if self.master_flat is not None:
+                self.sharded_params.shard.copy_(self.master_flat)
+            self.sharded_params.refresh_persistent()  # the other units gather on their next use
+            return
         if self.master_flat is not None:
             for (s, e), master in zip(self.shard_ranges, self._split_shard(self.master_flat)):
                 self.model_flat[s:e].copy_(master)
@@ -381,8 +424,11 @@ class ZeroOptimizer:
             for value in state.values()
             if isinstance(value, torch.Tensor)
         ]
+        params = list(self.module.parameters())
+        if self.sharded_params is not None:
+            params += [self.sharded_params.shard, *self.sharded_params.buffers.values()]
         return {
-            "parameters": list(self.module.parameters()),
+            "parameters": params,
             "gradients": grads,
             "master_weights": list(self.masters),
             "optimizer_states": states,
@@ -456,6 +502,25 @@ def _swap_params(optimizer: torch.optim.Optimizer, masters: Any, per_param: bool
     else:
         for group, shard in zip(optimizer.param_groups, masters):
             group["params"] = shard
+
+
+def _regions(
+    groups: list[list[nn.Parameter]], units: list[Unit]
+) -> tuple[list[list[nn.Parameter]], list[int], list[range]]:
+    """(regions, each region's param group, each unit's regions): unit-major when there are units."""
+    if not units:
+        return groups, list(range(len(groups))), []
+    group_of = {p: g for g, group in enumerate(groups) for p in group}
+    regions, region_group, unit_regions = [], [], []
+    for unit in units:
+        first = len(regions)
+        for g, group in enumerate(groups):
+            members = set(unit.params)
+            regions.append([p for p in group if p in members])
+            region_group.append(g)
+        unit_regions.append(range(first, len(regions)))
+    assert sum(map(len, regions)) == len(group_of)
+    return regions, region_group, unit_regions
 
 
 def _reduce_scales(reduce: ReduceOptions, world: int) -> tuple[float, float]:
