@@ -66,9 +66,15 @@ def config(micro: int, **extra) -> dict:
     }
 
 
-def train(micro: int, extra: dict | None = None, groups: bool = False) -> dict:
-    """Train STEPS global batches; each rank takes its own micro-batches of every global batch."""
-    model = make_model()
+def train(
+    micro: int, extra: dict | None = None, groups: bool = False, under_init: bool = False
+) -> dict:
+    """Train STEPS global batches; each rank takes its own micro-batches of every global batch.
+
+    `under_init` builds the model inside `shardspeed.zero.Init` (ZeRO stage 3 only).
+    """
+    with shardspeed.zero.Init(enabled=under_init):
+        model = make_model()
     engine, *_ = shardspeed.initialize(
         model=model,
         model_parameters=param_groups(model) if groups else model.parameters(),

@@ -415,3 +415,50 @@ def modify_under_gather() -> dict:
 def test_gathered_parameters_modifier_rank(pool2):
     for result in pool2.run(modify_under_gather):
         assert result == {"released": 0, "all_half": True, "master_has_half": True, "after": 0}
+
+
+def test_zero_init_then_stage3_matches_reference(pool2):
+    results = pool2.run(train, 4, STAGES["s3"], False, True)
+    for result in results:
+        assert_close_relative(result["params"], reference(), 1e-5)
+
+
+def build_under_init() -> dict:
+    """Bytes of parameter values held while the model is built under zero.Init, at every step."""
+    created: list[torch.Tensor] = []
+    peaks: list[int] = []
+
+    def held() -> int:
+        return sum(
+            p.untyped_storage().nbytes() + (p.ds_shard.nbytes if hasattr(p, "ds_shard") else 0)
+            for p in created
+        )
+
+    def on_register(module, name, param):
+        if param is not None:
+            created.append(param)
+            peaks.append(held())
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(on_register)
+    try:
+        with shardspeed.zero.Init():
+            model = wide_model()
+    finally:
+        handle.remove()
+    peaks.append(held())
+    largest = max(m.weight.ds_numel + m.bias.ds_numel for m in model if isinstance(m, nn.Linear))
+    return {
+        "peak": max(peaks),
+        "final": peaks[-1],
+        "model": 4 * sum(p.ds_numel for p in model.parameters()),
+        "largest_module": 4 * largest,
+        "empty": all(p.numel() == 0 for p in model.parameters()),
+    }
+
+
+def test_zero_init_never_holds_the_whole_model(pool2):
+    for r in pool2.run(build_under_init):
+        assert r["empty"]
+        padding = 4 * 2 * 6  # at most one element of padding per parameter and rank
+        assert r["final"] <= r["model"] / 2 + padding
+        assert r["peak"] <= r["model"] / 2 + r["largest_module"] + padding

@@ -2,6 +2,7 @@
 
 from .estimate import model_state_bytes
 from .flat import FlatLayout
+from .init import Init
 from .optimizer import GatherOptions, NonFiniteGradientError, ReduceOptions, ZeroOptimizer
 from .partitioned import GatheredParameters
 from .reducer import GradientReducer
@@ -11,6 +12,7 @@ __all__ = [
     "GatherOptions",
     "GatheredParameters",
     "GradientReducer",
+    "Init",
     "NonFiniteGradientError",
     "ReduceOptions",
     "ZeroOptimizer",

@@ -32,10 +32,11 @@ class FlatLayout:
         for tensors in groups:
             start = cursor
             for tensor in tensors:
-                shapes.append(tensor.shape)
+                shape = logical_shape(tensor)
+                shapes.append(shape)
                 offsets.append(cursor)
-                numels.append(tensor.numel())
-                cursor += tensor.numel()
+                numels.append(shape.numel())
+                cursor += shape.numel()
             cursor = start + -(-(cursor - start) // shards) * shards
             regions.append((start, cursor))
         return cls(tuple(shapes), tuple(offsets), tuple(numels), tuple(regions), shards, cursor)
@@ -80,3 +81,8 @@ class FlatLayout:
                     pieces.append((rank, a, b, shard_offset + a - s_start))
             shard_offset += size
         return pieces
+
+
+def logical_shape(tensor: torch.Tensor) -> torch.Size:
+    """A tensor's shape, or for a parameter sharded by `zero.Init` the shape it stands for."""
+    return getattr(tensor, "ds_shape", tensor.shape)

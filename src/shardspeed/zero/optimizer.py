@@ -30,6 +30,7 @@ from torch import nn
 from ..comm import all_gather, all_gather_into_tensor, all_reduce, broadcast
 from ..precision import LossScaler, StaticLossScaler
 from .flat import FlatLayout
+from .init import full_value, is_init_sharded
 from .partitioned import ShardedParameters, Unit, plan_units
 from .reducer import GradientReducer
 
@@ -114,22 +115,34 @@ class ZeroOptimizer:
         self.shard_ranges = [self.layout.shard(r, dp_rank) for r in range(len(regions))]
 
         # Model weights: one buffer, every parameter a view into it, identical on every rank.
-        # At stage 3 only this rank's shard of that buffer is kept; units are gathered on use.
-        self.model_flat = self.layout.flatten(self.params, model_dtype, device)
-        if dp_world_size > 1:
-            broadcast(self.model_flat, src=_group_rank_to_global(dp_group, 0), group=dp_group)
+        # At stage 3 only this rank's shard of that buffer is kept (built one unit at a time, so
+        # the whole model never exists here); units are gathered on use.
         self.sharded_params: ShardedParameters | None = None
+        self.model_flat: torch.Tensor | None = None
         if self.stage == 3:
-            shard = torch.cat([self.model_flat[s:e] for s, e in self.shard_ranges])
             offsets = [0]
             for s, e in self.shard_ranges:
                 offsets.append(offsets[-1] + e - s)
-            self.model_flat = None
+            shard = torch.empty(offsets[-1], dtype=model_dtype, device=device)
+            for regions in unit_regions:
+                start, end = self.layout.groups[regions[0]][0], self.layout.groups[regions[-1]][1]
+                buffer = self._whole(start, end, model_dtype, device)
+                for r in regions:
+                    s, e = self.shard_ranges[r]
+                    shard[offsets[r] : offsets[r] + e - s].copy_(buffer[s - start : e - start])
+            for p in self.params:
+                p.__dict__.pop("ds_shard", None)  # zero.Init's slices now live in `shard`
             self.sharded_params = ShardedParameters(
                 units, self.layout, unit_regions, offsets, shard, self.params, dp_group
             )
             self.sharded_params.refresh_persistent()
         else:
+            if any(is_init_sharded(p) for p in self.params):
+                raise ValueError(
+                    "the model was built under zero.Init, which shards parameters for ZeRO stage "
+                    f"3, but the config asks for stage {self.stage}"
+                )
+            self.model_flat = self._whole(0, self.layout.total, model_dtype, device)
             for p, view in zip(self.params, self.layout.views(self.model_flat)):
                 p.data = view
 
@@ -163,6 +176,20 @@ class ZeroOptimizer:
         ]
 
     # -- construction -----------------------------------------------------------------------------
+
+    def _whole(
+        self, start: int, end: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """[start, end) of the flat layout filled with the parameters' values, rank 0's everywhere."""
+        buffer = torch.zeros(end - start, dtype=dtype, device=device)
+        init_sharded = False
+        for p, offset, numel in zip(self.params, self.layout.offsets, self.layout.numels):
+            if start <= offset < end:
+                init_sharded |= is_init_sharded(p)
+                buffer[offset - start : offset - start + numel].copy_(full_value(p).reshape(-1))
+        if self.dp_world_size > 1 and not init_sharded:  # zero.Init made them equal already
+            broadcast(buffer, src=_group_rank_to_global(self.dp_group, 0), group=self.dp_group)
+        return buffer
 
     def _build_masters(self, model_dtype: torch.dtype) -> None:
         """fp32 master tensors the torch optimizer steps on, and where they sit."""

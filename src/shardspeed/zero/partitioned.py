@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..comm import all_gather_into_tensor, broadcast, get_rank
-from .flat import FlatLayout
+from .flat import FlatLayout, logical_shape
 
 # The attribute naming the ShardedParameters that owns a parameter (how GatheredParameters finds
 # what to gather; tensors cannot be dictionary keys by value).
@@ -67,9 +67,10 @@ def plan_units(
     managed = set(params)
     persistent, budget = [], model_persistence_threshold
     for p in params:
-        if (len(homes[p]) > 1 or p.numel() <= persistence_threshold) and p.numel() <= budget:
+        numel = logical_shape(p).numel()
+        if (len(homes[p]) > 1 or numel <= persistence_threshold) and numel <= budget:
             persistent.append(p)
-            budget -= p.numel()
+            budget -= numel
     kept = set(persistent)
     units = [Unit(persistent, persistent=True)]
     for index, root in enumerate([*roots, module]):
