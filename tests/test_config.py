@@ -150,7 +150,7 @@ def test_deprecated_zero_spellings_warn_and_map(caplog):
     # The modern keys they map to are later issues' work, so they are refused by their new names.
     text = str(err.value)
     assert "'zero_optimization.offload_optimizer' is a DeepSpeed key" in text
-    assert "'zero_optimization.stage3_prefetch_bucket_size'" in text
+    assert "'zero_optimization.stage3_gather_16bit_weights_on_model_save'" in text
     # A disabled deprecated flag maps to nothing and is accepted.
     assert (
         load({"zero_optimization": {"cpu_offload": False}}).zero_optimization.offload_optimizer

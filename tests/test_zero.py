@@ -462,3 +462,34 @@ def test_zero_init_never_holds_the_whole_model(pool2):
         padding = 4 * 2 * 6  # at most one element of padding per parameter and rank
         assert r["final"] <= r["model"] / 2 + padding
         assert r["peak"] <= r["model"] / 2 + r["largest_module"] + padding
+
+
+def gathered_peak(prefetch: int) -> dict:
+    model = Blocks()
+    engine, *_ = shardspeed.initialize(
+        model=model,
+        config={
+            "train_batch_size": 8,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            **zero(3, stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=prefetch),
+        },
+    )
+    idx = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):  # the first step records the unit order that prefetching follows
+        engine.backward(F.cross_entropy(engine(idx).reshape(-1, 16), idx.reshape(-1)))
+        engine.step()
+    return {
+        "peak": engine.memory_breakdown()["gathered_peak"],
+        "volume": shardspeed.comm.comm_volume(),
+    }
+
+
+def test_stage3_prefetch_keeps_one_more_unit_alive(pool2):
+    off = pool2.run(gathered_peak, 0)[0]["peak"]
+    on = pool2.run(gathered_peak, 10**6)[0]["peak"]
+    block = 4 * (8 * 8 + 8)  # one Linear(8, 8) unit, fp32
+    tied = 4 * 16 * 8  # the shared embedding/head weight: persistent, always whole
+    # Without prefetch: the tied weight and two blocks (block 0 is called twice, so it stays
+    # gathered while block 2 runs backward). Prefetching adds at most one unit in flight.
+    assert off == tied + 2 * block
+    assert off < on <= off + block

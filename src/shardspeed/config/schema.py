@@ -147,7 +147,6 @@ class ZeroConfig(StrictModel):
         **{
             name: ISSUE_ZERO3
             for name in (
-                "stage3_prefetch_bucket_size",
                 "stage3_max_live_parameters",
                 "stage3_max_reuse_distance",
                 "stage3_gather_16bit_weights_on_model_save",

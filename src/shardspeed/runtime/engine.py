@@ -161,6 +161,7 @@ class ShardSpeedEngine(nn.Module):
                 zero.stage3_param_persistence_threshold,
                 zero.stage3_model_persistence_threshold,
             ),
+            prefetch_elements=zero.stage3_prefetch_bucket_size,
         )
 
     def _build_scheduler(self, client: Any) -> Any:
@@ -413,7 +414,10 @@ class ShardSpeedEngine(nn.Module):
         ]
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds, by kind, each storage counted once (views share their storage)."""
+        """Bytes this rank holds, by kind, each storage counted once (views share their storage).
+
+        At stage 3 `gathered_peak` adds the most bytes of gathered parameters alive at one time.
+        """
         held = (
             self.optimizer.held_tensors()
             if self.optimizer is not None
@@ -432,6 +436,11 @@ class ShardSpeedEngine(nn.Module):
                     total += storage.nbytes()
             sizes[kind] = total
         sizes["total"] = sum(sizes.values())
+        sharded = getattr(self.optimizer, "sharded_params", None)
+        if sharded is not None:
+            # Stage 3: the most bytes of whole (gathered) parameters alive at once so far, which
+            # comes on top of what is held between steps.
+            sizes["gathered_peak"] = sharded.peak_gathered_bytes
         return sizes
 
     def get_global_grad_norm(self) -> float | None:

@@ -83,6 +83,7 @@ class ZeroOptimizer:
         gather: GatherOptions | None = None,
         ignore_unused_parameters: bool = True,
         persistence: tuple[int, int] = (100_000, 2**63 - 1),
+        prefetch_elements: int = 50_000_000,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -133,7 +134,14 @@ class ZeroOptimizer:
             for p in self.params:
                 p.__dict__.pop("ds_shard", None)  # zero.Init's slices now live in `shard`
             self.sharded_params = ShardedParameters(
-                units, self.layout, unit_regions, offsets, shard, self.params, dp_group
+                units,
+                self.layout,
+                unit_regions,
+                offsets,
+                shard,
+                self.params,
+                dp_group,
+                prefetch_elements=prefetch_elements,
             )
             self.sharded_params.refresh_persistent()
         else:

@@ -7,7 +7,9 @@ parameters shared between units (a tied embedding and head). Each unit's paramet
 regions of the flat layout, so gathering a unit is one all-gather of equal shards per param group.
 
 A unit is gathered before its forward and again before its backward (a hook on its outputs), and
-released after its forward and once all its parameters have their gradients.
+released after its forward and once all its parameters have their gradients. While a unit computes,
+the next one (in the order units ran in the first forward; reversed in backward) is gathered in the
+background when it holds at most `stage3_prefetch_bucket_size` elements.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class ShardedParameters:
         shard: torch.Tensor,
         params: list[nn.Parameter],
         group: Any,
+        prefetch_elements: int = 50_000_000,
     ) -> None:
         self.units, self.layout, self.unit_regions = units, layout, unit_regions
         self.shard_offsets, self.shard, self.group = shard_offsets, shard, group
@@ -105,6 +108,13 @@ class ShardedParameters:
             for p in unit.params:
                 self.unit_of[self.index[p]] = u
         self.after_write: Callable[[], None] | None = None
+        # Prefetch follows the order units ran in the first forward (recorded once).
+        self.prefetch_elements = prefetch_elements
+        self.order: list[int] = []
+        self._seen_order: list[int] = []
+        self._recording = True
+        self._in_flight: dict[int, tuple[torch.Tensor, list]] = {}
+        self.peak_gathered_bytes = 0
         for p in params:
             setattr(p, _OWNER, self)
             p.data = self._empty  # the whole values now live only as shards (and units on demand)
@@ -122,21 +132,52 @@ class ShardedParameters:
         """Make unit `u`'s parameters whole on every rank (a no-op if they already are)."""
         if u in self.buffers:
             return
+        if u not in self._in_flight:
+            self._launch(u)
+        buffer, works = self._in_flight.pop(u)
+        for work in works:
+            work.wait()
+        self.buffers[u] = buffer
+        self._note_live()
+        start, _ = self.span(u)
+        for p in self.units[u].params:
+            i = self.index[p]
+            offset = self.layout.offsets[i] - start
+            p.data = buffer.narrow(0, offset, self.layout.numels[i]).view(self.layout.shapes[i])
+
+    def _launch(self, u: int) -> None:
         start, end = self.span(u)
         buffer = torch.empty(end - start, dtype=self.shard.dtype, device=self.shard.device)
+        works = []
         for r in self.unit_regions[u]:
             r_start, r_end = self.layout.groups[r]
             size = (r_end - r_start) // self.layout.shards
             if size:
                 mine = self.shard[self.shard_offsets[r] : self.shard_offsets[r] + size]
-                all_gather_into_tensor(
-                    buffer[r_start - start : r_end - start], mine, group=self.group
-                )
-        self.buffers[u] = buffer
-        for p in self.units[u].params:
-            i = self.index[p]
-            offset = self.layout.offsets[i] - start
-            p.data = buffer.narrow(0, offset, self.layout.numels[i]).view(self.layout.shapes[i])
+                out = buffer[r_start - start : r_end - start]
+                works.append(all_gather_into_tensor(out, mine, group=self.group, async_op=True))
+        self._in_flight[u] = (buffer, works)
+        self._note_live()
+
+    def _note_live(self) -> None:
+        buffers = [*self.buffers.values(), *(b for b, _ in self._in_flight.values())]
+        live = sum(b.numel() * b.element_size() for b in buffers)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
+
+    def prefetch(self, u: int | None) -> None:
+        """Start gathering unit `u` in the background, if it is small enough to be worth it."""
+        if u is None or u in self.buffers or u in self._in_flight:
+            return
+        start, end = self.span(u)
+        if end - start <= self.prefetch_elements:
+            self._launch(u)
+
+    def _neighbour(self, u: int, step: int) -> int | None:
+        """The unit that ran just after (step 1) or before (step -1) `u` in the last forward."""
+        if u not in self.order:
+            return None
+        i = self.order.index(u) + step
+        return self.order[i] if 0 <= i < len(self.order) else None
 
     def release(self, u: int) -> None:
         """Drop unit `u`'s whole copy (persistent units stay)."""
@@ -164,14 +205,26 @@ class ShardedParameters:
             self.release(u)
 
     def release_all(self) -> None:
+        """End of a step's backward: drop every non-persistent copy, prefetched ones included."""
+        for u in list(self._in_flight):
+            self.gather(u)
         for u in range(len(self.units)):
             self.release(u)
+        if self._recording:
+            self.order, self._recording = self._seen_order, False
 
     def _pre_forward(self, u: int) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
+            if self._recording and u not in self._seen_order:
+                self._seen_order.append(u)
             self.gather(u)
+            self.prefetch(self._neighbour(u, 1))
 
         return hook
+
+    def _pre_backward(self, u: int) -> None:
+        self.gather(u)
+        self.prefetch(self._neighbour(u, -1))
 
     def _post_forward(self, u: int) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -181,7 +234,7 @@ class ShardedParameters:
             if tensors:
                 # Before this unit's backward runs, its parameters must be whole again.
                 torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grad: self.gather(u), mode="any"
+                    tensors, lambda grad: self._pre_backward(u), mode="any"
                 )
             self.release(u)
 
