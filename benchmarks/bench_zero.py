@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2: shardspeed vs DeepSpeed and torch FSDP2, throughput and memory.
+"""ZeRO stages 1, 2 and 3: shardspeed vs DeepSpeed and torch FSDP2, throughput and memory.
 
 One invocation measures, at world size 2, on the same model and token batches as bench_dp.py:
 
@@ -7,12 +7,19 @@ One invocation measures, at world size 2, on the same model and token batches as
   shardspeed ZeRO stage 2 vs torch FSDP2 (``fully_shard`` per block and on the root with
   ``reshard_after_forward=False``, its ZeRO-2 equivalent; ``torch.optim.AdamW``, clip 1.0),
 
+or, with ``--stage3``, instead:
+
+  shardspeed ZeRO stage 3 vs DeepSpeed stage 3,
+  shardspeed ZeRO stage 3 vs torch FSDP2 with ``reshard_after_forward=True`` (its default, the
+  ZeRO-3 equivalent),
+
 the tokens/s ratios, and per rank the model-state bytes each framework holds (against the ZeRO
 formula) and the peak RSS. The script is both the orchestrator and the worker: every measured
 run is ``python -m torch.distributed.run ... bench_zero.py --worker MODE`` (gloo on CPU).
 
     .venv/bin/python benchmarks/bench_zero.py              # measure, print the tables
     .venv/bin/python benchmarks/bench_zero.py --write      # ... and update BENCHMARKS.md
+    .venv/bin/python benchmarks/bench_zero.py --stage3 --write   # stage 3 only, its own section
     .venv/bin/python benchmarks/bench_zero.py --profile    # profile ours vs the baselines
 
 See benchmarks/README.md.
@@ -46,6 +53,7 @@ from common import (
 
 HERE = Path(__file__).resolve()
 SECTION_TITLE = "## ZeRO stages 1 and 2 vs DeepSpeed and FSDP2"
+SECTION_TITLE_S3 = "## ZeRO stage 3 vs DeepSpeed and FSDP2"
 WORLD = 2
 MIB = 2**20
 
@@ -55,7 +63,10 @@ FP32_MODES = ("ours_s1", "deepspeed_s1", "ours_s2", "deepspeed_s2", "fsdp2", "fs
 # --bf16 adds stage 2 in bf16: `"bf16": {"enabled": true}` for shardspeed and DeepSpeed, FSDP2 with
 # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (fp32 sharded parameters = masters).
 BF16_MODES = ("ours_s2_bf16", "deepspeed_s2_bf16", "fsdp2_bf16")
-MODES = FP32_MODES + BF16_MODES
+# --stage3: ZeRO stage 3 (fp32) in place of the modes above: the same config with stage 3 for
+# shardspeed and DeepSpeed; FSDP2 with fully_shard's default reshard_after_forward=True.
+STAGE3_MODES = ("ours_s3", "deepspeed_s3", "fsdp2_s3", "fsdp2_s3_fused")
+MODES = FP32_MODES + BF16_MODES + STAGE3_MODES
 COMPARISONS = [
     (("ours_s1", WORLD), ("deepspeed_s1", WORLD), 1.0, "shardspeed stage 1 vs DeepSpeed stage 1"),
     (("ours_s2", WORLD), ("deepspeed_s2", WORLD), 1.0, "shardspeed stage 2 vs DeepSpeed stage 2"),
@@ -68,13 +79,22 @@ COMPARISONS = [
         "bf16: shardspeed stage 2 vs DeepSpeed stage 2",
     ),
     (("ours_s2_bf16", WORLD), ("fsdp2_bf16", WORLD), 1.0, "bf16: shardspeed stage 2 vs FSDP2"),
+    (("ours_s3", WORLD), ("deepspeed_s3", WORLD), 1.0, "shardspeed stage 3 vs DeepSpeed stage 3"),
+    (("ours_s3", WORLD), ("fsdp2_s3", WORLD), 1.0, "shardspeed stage 3 vs FSDP2 (ZeRO-3 mode)"),
+    (
+        ("ours_s3", WORLD),
+        ("fsdp2_s3_fused", WORLD),
+        None,
+        "vs FSDP2 (ZeRO-3) with AdamW(fused=True)",
+    ),
 ]
 CENSUS_POINTS = ("after_forward", "after_backward", "after_step")
 KINDS = ("parameters", "gradients", "master_weights", "optimizer_states")
 
 
 def mode_stage(mode: str) -> int:
-    return 1 if "_s1" in mode else 2
+    """The ZeRO stage a mode runs (FSDP2: the stage it is compared with)."""
+    return 3 if "_s3" in mode else 1 if "_s1" in mode else 2
 
 
 def mode_precision(mode: str) -> str:
@@ -167,6 +187,8 @@ def census_ours(engine) -> dict:
     c.add("other", reachable_tensors(engine.optimizer, ("shardspeed",)))
     out["other"] = c.bytes["other"]
     out["breakdown_buffers"] = mb["buffers"]
+    if "gathered_peak" in mb:  # stage 3, where the engine reports it
+        out["gathered_peak"] = mb["gathered_peak"]
     return out
 
 
@@ -190,6 +212,39 @@ def census_deepspeed(engine) -> dict:
     c.add("optimizer_states", [v for v in states if hasattr(v, "untyped_storage")])
     c.add("other", reachable_tensors(opt, ("deepspeed",)))
     return {k: c.bytes.get(k, 0) for k in (*KINDS, "other")}
+
+
+def census_deepspeed_s3(engine) -> dict:
+    """DeepSpeed ZeRO-3: parameters are each parameter's partition (`ds_tensor`, views into
+    `fp16_partitioned_groups_flat`) plus `p.data` while a parameter is gathered (empty otherwise);
+    gradients the flat partition buffer `grad_partitions_flat_buffer`, `averaged_gradients`, the fp32
+    partitions' `.grad` and any `p.grad`; the fp32 master partitions `fp32_partitioned_groups_flat`
+    (for an fp32 model these are the parameter partitions themselves, so they add nothing); the inner
+    optimizer's state. The ipg reduction buckets (`torch.empty(reduce_bucket_size)`, 5e8 elements by
+    default, only the pages written are resident) are kept apart as 'bucket' (virtual bytes);
+    'other': everything else reachable from the ZeRO optimizer and its parameter coordinator."""
+    opt = engine.optimizer
+    params = list(engine.module.parameters())
+    c = Census()
+    c.add("parameters", params)
+    c.add("parameters", [getattr(p, "ds_tensor", None) for p in params])
+    c.add("parameters", getattr(opt, "fp16_partitioned_groups_flat", []) or [])
+    masters = list(getattr(opt, "fp32_partitioned_groups_flat", []) or [])
+    grads = [p.grad for p in params] + [m.grad for m in masters]
+    grads.append(getattr(opt, "grad_partitions_flat_buffer", None))
+    grads += reachable_tensors(getattr(opt, "averaged_gradients", None), ("deepspeed",))
+    c.add("gradients", grads)
+    c.add("master_weights", masters)
+    inner = getattr(opt, "optimizer", None)
+    states = [v for s in inner.state.values() for v in s.values()] if inner is not None else []
+    c.add("optimizer_states", [v for v in states if hasattr(v, "untyped_storage")])
+    buckets = getattr(opt, "ipg_buckets", {}) or {}
+    c.add("bucket", [getattr(b, "buffer", None) for b in buckets.values()])
+    c.add(
+        "other",
+        reachable_tensors([opt, getattr(opt, "parameter_offload", None)], ("deepspeed",)),
+    )
+    return {k: c.bytes.get(k, 0) for k in (*KINDS, "other", "bucket")}
 
 
 def census_fsdp2(model, opt) -> dict:
@@ -243,9 +298,12 @@ def worker(args) -> None:
             mp["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32
             )
+        # Stage 2 modes: reshard_after_forward=False (ZeRO-2); the _s3 modes: True (fully_shard's
+        # default, ZeRO-3; FSDP2 itself keeps the root unsharded after forward).
+        reshard = mode_stage(mode) == 3
         for block in model.blocks:
-            fully_shard(block, reshard_after_forward=False, **mp)
-        fully_shard(model, reshard_after_forward=False, **mp)
+            fully_shard(block, reshard_after_forward=reshard, **mp)
+        fully_shard(model, reshard_after_forward=reshard, **mp)
         fused = {"fused": True} if mode.endswith("_fused") else {}
         opt = torch.optim.AdamW(model.parameters(), lr=LR, **fused)
 
@@ -264,7 +322,8 @@ def worker(args) -> None:
             return census_fsdp2(model, opt)
 
         settings = (
-            f"fully_shard(reshard_after_forward=False{', ' + repr(mp['mp_policy']) if mp else ''})"
+            f"fully_shard(reshard_after_forward={reshard}"
+            f"{', ' + repr(mp['mp_policy']) if mp else ''})"
         )
         settings += f", AdamW(fused={bool(fused)})"
 
@@ -288,7 +347,11 @@ def worker(args) -> None:
             engine.step()
 
         def census():
-            return census_ours(engine) if mode.startswith("ours") else census_deepspeed(engine)
+            if mode.startswith("ours"):
+                return census_ours(engine)
+            if mode_stage(mode) == 3:
+                return census_deepspeed_s3(engine)
+            return census_deepspeed(engine)
 
         zopt = engine.optimizer
         if mode.startswith("ours"):
@@ -299,13 +362,32 @@ def worker(args) -> None:
                 f"{red.comm_dtype} with {red.collective}, {red.num_buckets} bucket(s), "
                 f"overlap {red.overlap}"
             )
+            sp = getattr(zopt, "sharded_params", None)
+            if sp is not None:
+                persistent = [p for u in sp.units if u.persistent for p in u.params]
+                gathered = [len(u.params) for u in sp.units if not u.persistent]
+                settings += (
+                    f"; {len(sp.units)} units ({len(gathered)} gathered on use, parameters per "
+                    f"unit {gathered}), persistent: {len(persistent)} parameters, "
+                    f"{sum(sp.layout.numels[sp.index[p]] for p in persistent):,} elements, "
+                    "no prefetch"
+                )
         else:
             settings = (
                 f"{type(zopt.optimizer).__name__}, communication_data_type "
                 f"{engine.communication_data_type}, gradient_accumulation_dtype "
                 f"{getattr(zopt, 'gradient_accumulation_dtype', '?')}, overlap_comm "
-                f"{zopt.overlap_comm}, reduce_scatter {zopt.reduce_scatter}"
+                f"{engine.zero_overlap_comm()}, reduce_scatter {engine.zero_reduce_scatter()}"
             )
+            if mode_stage(mode) == 3:
+                zc = engine._config.zero_config
+                persistent = list(getattr(zopt, "persistent_parameters", []) or [])
+                settings += (
+                    f"; persistent: {len(persistent)} parameters, "
+                    f"{sum(p.ds_numel for p in persistent):,} elements; prefetch_bucket_size "
+                    f"{zc.prefetch_bucket_size:.0e}, max_live_parameters "
+                    f"{zc.max_live_parameters:.0e}, max_reuse_distance {zc.max_reuse_distance:.0e}"
+                )
 
     else:
         raise SystemExit(f"unknown worker mode {mode!r}")
@@ -405,8 +487,15 @@ def memory_table(results, n_params: int):
 
 
 def selected_modes(args) -> list[str]:
-    wanted = set(args.modes) | (set(BF16_MODES) if args.bf16 else set())
+    """--modes if given, else the fp32 stage 1/2 modes (--stage3: the stage 3 ones); --bf16 adds
+    the bf16 modes."""
+    default = STAGE3_MODES if args.stage3 else FP32_MODES
+    wanted = set(args.modes or default) | (set(BF16_MODES) if args.bf16 else set())
     return [m for m in MODES if m in wanted]
+
+
+def is_stage3_run(modes) -> bool:
+    return bool(modes) and all(mode_stage(m) == 3 for m in modes)
 
 
 def settings_lines(results) -> list[str]:
@@ -429,6 +518,7 @@ def orchestrate(args) -> int:
         f"rounds, {args.threads} thread(s) per process (torch.set_num_threads, OMP_NUM_THREADS)",
         flush=True,
     )
+    print(shardspeed_source(), flush=True)
     plan = [(m, WORLD) for m in selected_modes(args)]
     results, errors, total, tmp, discarded = common.measure(
         HERE, plan, args, prefix="bench_zero_", width=12
@@ -453,7 +543,8 @@ def orchestrate(args) -> int:
         print(f"\n--- {mode} ws{world} failed: {e['error']} ---\n{e['log']}")
 
     if args.write:
-        write_section(
+        writer = write_section_s3 if is_stage3_run(selected_modes(args)) else write_section
+        writer(
             args,
             n_params,
             cmd,
@@ -487,8 +578,6 @@ def write_section(
     errors,
     settings,
 ) -> None:
-    today = datetime.date.today().isoformat()
-    missed = [r for r in rows if r["verdict"] == "MISSED"]
     p = n_params
     notes = [
         f"- Model and data as in the stage-0 section: GPT-style LM, {p / 1e6:.2f}M parameters "
@@ -556,6 +645,41 @@ def write_section(
         "- As run (read back from each framework in the workers):",
         *(f"  {line}" for line in settings),
     ]
+    finish_section(
+        SECTION_TITLE,
+        args,
+        cmd,
+        total,
+        rows,
+        ratio_table,
+        mode_table,
+        mem_table,
+        mem_rows,
+        results,
+        errors,
+        notes,
+    )
+
+
+def finish_section(
+    title,
+    args,
+    cmd,
+    total,
+    rows,
+    ratio_table,
+    mode_table,
+    mem_table,
+    mem_rows,
+    results,
+    errors,
+    notes,
+) -> None:
+    """The notes every section ends with (spread, memory over the formula, missed targets, --note
+    lines, failures), then the section itself written into BENCHMARKS.md."""
+    today = datetime.date.today().isoformat()
+    missed = [r for r in rows if r["verdict"] == "MISSED"]
+    notes = list(notes)
     spread = common.spread_note(results)
     if spread:
         notes.append(spread)
@@ -580,7 +704,7 @@ def write_section(
         notes.append(f"- {mode} at world size {world} failed: {e['error']} (see the worker log).")
     section = "\n".join(
         [
-            SECTION_TITLE,
+            title,
             "",
             f"Date: {today}. Machine: {common.machine_desc()}. Versions: {versions()}.",
             "",
@@ -602,7 +726,155 @@ def write_section(
             "",
         ]
     )
-    common.write_markdown(section, SECTION_TITLE, BENCH_MD)
+    common.write_markdown(section, title, BENCH_MD)
+
+
+def shardspeed_source() -> str:
+    """Where the workers import shardspeed from and, for this checkout, its commit and whether
+    src/ has uncommitted changes (read-only git commands)."""
+    import importlib.util
+    import subprocess
+
+    spec = importlib.util.find_spec("shardspeed")
+    origin = Path(spec.origin).resolve().parent.parent if spec and spec.origin else None
+    if origin is None:
+        return "shardspeed: not found"
+    try:
+        rel = origin.relative_to(common.REPO)
+    except ValueError:
+        return f"shardspeed imported from `{origin}` (outside this checkout)"
+
+    def git(*a):
+        return subprocess.run(
+            ["git", *a], cwd=common.REPO, capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "?"
+    dirty = git("status", "--porcelain", "--", str(rel))
+    return f"shardspeed from `{rel}/` at commit {head}" + (
+        " plus uncommitted changes under it" if dirty else ""
+    )
+
+
+def write_section_s3(
+    args,
+    n_params,
+    cmd,
+    total,
+    rows,
+    ratio_table,
+    mode_table,
+    mem_table,
+    mem_rows,
+    load_line,
+    results,
+    errors,
+    settings,
+) -> None:
+    """The section of the --stage3 run."""
+    p = n_params
+    formula = formula_bytes(p, 3)
+    ours = results.get(("ours_s3", WORLD)) or []
+    ds_bucket = [
+        max(pt.get("bucket", 0) for pt in r["census"].values())
+        for run in results.get(("deepspeed_s3", WORLD)) or []
+        for r in run["ranks"][:1]
+    ]
+    gathered = [
+        max(pt.get("gathered_peak") or 0 for pt in r["census"].values())
+        for run in ours
+        for r in run["ranks"][:1]
+    ]
+    notes = [
+        f"- Model and data as in the sections above: GPT-style LM, {p / 1e6:.2f}M parameters "
+        f"(vocab {VOCAB}, d_model {D_MODEL}, {N_LAYERS} layers, {N_HEADS} heads, seq {SEQ}), fp32, "
+        "fixed seed; synthetic token batches from a seed per (rank, step), identical in every "
+        f"mode; micro batch {args.micro_batch} per rank, world size {WORLD}. {shardspeed_source()}.",
+        f"- Each run: {args.warmup} warm-up steps, then {args.steps} timed steps (barrier before "
+        "and after); tokens/s = world size x micro batch x seq x steps / time, measured on rank 0. "
+        f"{args.rounds} rounds with the modes interleaved (order rotated per round); table ratios "
+        "are median(ours) / median(baseline); per-round ratios pair runs of the same round. "
+        f"Threads: {args.threads} per process. Every run is a fresh `torch.distributed.run "
+        "--standalone` process group (gloo on CPU); start-up and `initialize` are not timed.",
+        "- shardspeed and DeepSpeed get the same config dict: "
+        f"`{json.dumps(ds_config(args.micro_batch, 3))}`; no stage3_* key is set, so each library "
+        "uses its own defaults. The declared defaults are the same numbers "
+        "(`stage3_param_persistence_threshold` 1e5, `stage3_model_persistence_threshold` "
+        "sys.maxsize, `stage3_prefetch_bucket_size` 5e7, `stage3_max_live_parameters` 1e9, "
+        "`stage3_max_reuse_distance` 1e9, `reduce_bucket_size` 5e8, `sub_group_size` 1e9) and both "
+        "pick the same persistent parameters (see 'As run'), but the behaviour differs: "
+        "(a) `overlap_comm` is true by default in DeepSpeed at stage 3 (false at stages 1-2); "
+        "shardspeed overlaps when unset at every stage. (b) DeepSpeed fetches per submodule "
+        "(each Linear / LayerNorm / Embedding by its own hooks), records the module order in the "
+        "first step and then prefetches up to `stage3_prefetch_bucket_size` elements ahead (the "
+        "whole model here); shardspeed gathers per unit (a transformer block, the rest of the "
+        "model) just in time. (c) DeepSpeed releases a parameter after use only if it is not "
+        "used again within `stage3_max_reuse_distance` elements; with 1e9 > P every parameter "
+        "stays gathered from its forward to its backward, so DeepSpeed holds the whole model "
+        "after forward (the census 'after fwd' column); shardspeed releases each block after its "
+        "forward and re-gathers it for backward. (d) DeepSpeed on CPU keeps a second fp32 copy "
+        "of the partition (`fp32_partitioned_groups_flat`): its no-copy branch compares a "
+        "torch.device with the string 'cpu', which is false; shardspeed's fp32 shard is its own "
+        "master. DeepSpeed runs with its C++ CPU FusedAdam, shardspeed with "
+        "`torch.optim.AdamW(fused=True)`.",
+        "- FSDP2: `fully_shard(block)` for each transformer block, then `fully_shard(model)` on "
+        "the root (embeddings, final norm, head), with the default `reshard_after_forward=True` "
+        "(FSDP2 itself keeps the root's parameters unsharded after forward, as they are needed "
+        "first in backward); `torch.optim.AdamW(lr=3e-4)` (on CPU: the per-tensor loop) and "
+        "`torch.nn.utils.clip_grad_norm_(params, 1.0)`; the row 'with AdamW(fused=True)' is the "
+        "same with `fused=True` (information, no target).",
+        "- Model-state bytes are counted on a census step after the timed steps (after its "
+        "forward, backward and optimizer step, each storage once), rank 0 at the point where the "
+        "sum is largest. shardspeed: `engine.memory_breakdown()` minus buffers: its 1/N shard, "
+        "the persistent unit whole on every rank, any gathered unit, the gradient shard and "
+        "AdamW's state. DeepSpeed: each parameter's partition (`ds_tensor`) plus `p.data` while "
+        "gathered, gradients (`grad_partitions_flat_buffer`, `averaged_gradients`, the fp32 "
+        "partitions' `.grad`), the fp32 partitions, the inner optimizer's state. FSDP2: local "
+        "shards of the DTensor parameters plus what its `FSDPParam`s hold while unsharded, local "
+        "shards of gradients and optimizer state. Units gathered inside forward or backward are "
+        "gone at these points: peak RSS (`ru_maxrss` per rank, max over rounds, including "
+        "interpreter and imports) includes them.",
+        *(
+            [
+                f"- shardspeed's most gathered-parameter bytes alive at once "
+                f"(`memory_breakdown()['gathered_peak']`, rank 0): {max(gathered) / MIB:.1f} MiB."
+            ]
+            if gathered and max(gathered)
+            else []
+        ),
+        *(
+            [
+                f"- Not in the table: DeepSpeed's ipg reduction bucket, `torch.empty("
+                f"reduce_bucket_size)` = {max(ds_bucket) / MIB:.0f} MiB of address space allocated "
+                "at initialize, of which only the pages written are resident (at most the "
+                "gradients of one backward, here the whole model's 4P); peak RSS counts those."
+            ]
+            if ds_bucket and max(ds_bucket)
+            else []
+        ),
+        f"- ZeRO formula (fp32, P = {p:,}, N = {WORLD}): stage 3 16P/N = {formula / MIB:.1f} MiB "
+        "(`shardspeed.zero.model_state_bytes(P, 2, 3, precision='fp32')['total']`), for all "
+        "three frameworks.",
+        "- Shared 2-core machine: 'other load' is the CPU used during each timed window by "
+        "anything other than that run's ranks, in cores; high values mean that round is noisy.",
+        f"- This run: {load_line}",
+        "- As run (read back from each framework in the workers):",
+        *(f"  {line}" for line in settings),
+    ]
+    finish_section(
+        SECTION_TITLE_S3,
+        args,
+        cmd,
+        total,
+        rows,
+        ratio_table,
+        mode_table,
+        mem_table,
+        mem_rows,
+        results,
+        errors,
+        notes,
+    )
 
 
 def profile_mode(args) -> int:
@@ -633,11 +905,18 @@ def main(argv=None) -> int:
     p.add_argument(
         "--modes",
         nargs="+",
-        default=list(FP32_MODES),
+        default=None,
         choices=MODES,
         metavar="MODE",
-        help=f"modes to run, of {', '.join(MODES)} (default: all fp32 modes; fsdp2_fused is the informational FSDP2 "
-        "baseline with AdamW(fused=True))",
+        help=f"modes to run, of {', '.join(MODES)} (default: the fp32 stage 1/2 modes "
+        f"{', '.join(FP32_MODES)}; with --stage3: {', '.join(STAGE3_MODES)}; the *_fused modes are "
+        "the informational FSDP2 baselines with AdamW(fused=True))",
+    )
+    p.add_argument(
+        "--stage3",
+        action="store_true",
+        help="run the ZeRO stage 3 comparisons instead (" + ", ".join(STAGE3_MODES) + "); "
+        f"--write then updates the section '{SECTION_TITLE_S3[3:]}' (about 4 minutes)",
     )
     p.add_argument(
         "--bf16",
@@ -654,6 +933,12 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="profile each of --modes once")
     p.add_argument("--profile-out", help="directory for --profile output")
     args = p.parse_args(argv)
+    if not args.worker:
+        modes = selected_modes(args)
+        if args.stage3 and args.bf16:
+            p.error("--bf16 has no stage 3 modes; run --stage3 and --bf16 separately")
+        if args.write and not is_stage3_run(modes) and any(mode_stage(m) == 3 for m in modes):
+            p.error("--write: stage 3 modes have their own section; run them alone (--stage3)")
     if args.worker:
         worker(args)
         return 0
