@@ -149,7 +149,6 @@ class ZeroConfig(StrictModel):
             for name in (
                 "stage3_max_live_parameters",
                 "stage3_max_reuse_distance",
-                "stage3_gather_16bit_weights_on_model_save",
                 "stage3_module_granularity_threshold",
                 "stage3_use_all_reduce_for_fetch_params",
                 "stage3_allgather_sequential",

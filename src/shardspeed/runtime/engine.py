@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
-from ..comm import Topology, get_local_rank
+from ..comm import Topology, barrier, get_local_rank
 from ..config import ShardSpeedConfig, optimizer_params, scheduler_params
 from ..config.errors import ConfigError
 from ..optim import build_optimizer, build_scheduler
 from ..precision import build_loss_scaler
-from ..zero import GatherOptions, ReduceOptions, ZeroOptimizer
+from ..zero import GatheredParameters, GatherOptions, ReduceOptions, ZeroOptimizer
 from .dataloader import DistributedDataLoader
 
 logger = logging.getLogger("shardspeed")
@@ -412,6 +414,54 @@ class ShardSpeedEngine(nn.Module):
             group.get("betas", (group.get("momentum"),))[0]
             for group in self.basic_optimizer.param_groups
         ]
+
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "model.safetensors",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Write the whole model in its training dtype to one safetensors file (rank 0 writes).
+
+        Collective: every rank must call it. At stage 3 the parameters are gathered, which needs
+        `zero_optimization.stage3_gather_16bit_weights_on_model_save` (DeepSpeed silently skips the
+        save without it; here it is an error). The file is written under a temporary name and
+        renamed, so a crash never leaves a half-written model behind.
+        """
+        if not save_filename.endswith(".safetensors"):
+            raise ValueError(
+                f"save_filename {save_filename!r}: shardspeed writes safetensors only (no pickles); "
+                "use a name ending in .safetensors"
+            )
+        zero = self.config.zero_optimization
+        if zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
+            raise ConfigError(
+                "save_16bit_model() at ZeRO stage 3 gathers every parameter: set "
+                "'zero_optimization.stage3_gather_16bit_weights_on_model_save': true"
+            )
+        state = self.consolidated_state_dict(exclude_frozen_parameters)
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            partial = f"{path}.partial"
+            save_file(state, partial, metadata={"format": "pt"})
+            os.replace(partial, path)
+        barrier()
+        return True
+
+    def consolidated_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The module's state dict with every parameter whole (collective at stage 3)."""
+        params = list(self.module.parameters())
+        with GatheredParameters(params):
+            return {
+                name: tensor.detach().clone().contiguous()
+                for name, tensor in self.module.state_dict(keep_vars=True).items()
+                if not (
+                    exclude_frozen_parameters
+                    and isinstance(tensor, nn.Parameter)
+                    and not tensor.requires_grad
+                )
+            }
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, by kind, each storage counted once (views share their storage).
