@@ -10,8 +10,8 @@ One invocation measures, at world size 2, on the same model and token batches as
 or, with ``--stage3``, instead:
 
   shardspeed ZeRO stage 3 vs DeepSpeed stage 3,
-  shardspeed ZeRO stage 3 vs torch FSDP2 with ``reshard_after_forward=True`` (its default, the
-  ZeRO-3 equivalent),
+  shardspeed ZeRO stage 3 vs torch FSDP2 with fully_shard's default ``reshard_after_forward``
+  (None: True, i.e. ZeRO-3, for the blocks; False for the root),
 
 the tokens/s ratios, and per rank the model-state bytes each framework holds (against the ZeRO
 formula) and the peak RSS. The script is both the orchestrator and the worker: every measured
@@ -31,6 +31,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import sys
 import tempfile
 from collections import deque
@@ -64,9 +65,13 @@ FP32_MODES = ("ours_s1", "deepspeed_s1", "ours_s2", "deepspeed_s2", "fsdp2", "fs
 # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (fp32 sharded parameters = masters).
 BF16_MODES = ("ours_s2_bf16", "deepspeed_s2_bf16", "fsdp2_bf16")
 # --stage3: ZeRO stage 3 (fp32) in place of the modes above: the same config with stage 3 for
-# shardspeed and DeepSpeed; FSDP2 with fully_shard's default reshard_after_forward=True.
+# shardspeed and DeepSpeed; FSDP2 with fully_shard's default reshard_after_forward (None: True on
+# the blocks, False on the root).
 STAGE3_MODES = ("ours_s3", "deepspeed_s3", "fsdp2_s3", "fsdp2_s3_fused")
-MODES = FP32_MODES + BF16_MODES + STAGE3_MODES
+# Only with --modes (information): FSDP2 with reshard_after_forward=True passed explicitly, so the
+# root is resharded after forward too (and all-gathered again for backward), as shardspeed does.
+EXTRA_S3_MODES = ("fsdp2_s3_strict",)
+MODES = FP32_MODES + BF16_MODES + STAGE3_MODES + EXTRA_S3_MODES
 COMPARISONS = [
     (("ours_s1", WORLD), ("deepspeed_s1", WORLD), 1.0, "shardspeed stage 1 vs DeepSpeed stage 1"),
     (("ours_s2", WORLD), ("deepspeed_s2", WORLD), 1.0, "shardspeed stage 2 vs DeepSpeed stage 2"),
@@ -80,12 +85,23 @@ COMPARISONS = [
     ),
     (("ours_s2_bf16", WORLD), ("fsdp2_bf16", WORLD), 1.0, "bf16: shardspeed stage 2 vs FSDP2"),
     (("ours_s3", WORLD), ("deepspeed_s3", WORLD), 1.0, "shardspeed stage 3 vs DeepSpeed stage 3"),
-    (("ours_s3", WORLD), ("fsdp2_s3", WORLD), 1.0, "shardspeed stage 3 vs FSDP2 (ZeRO-3 mode)"),
+    (
+        ("ours_s3", WORLD),
+        ("fsdp2_s3", WORLD),
+        1.0,
+        "shardspeed stage 3 vs FSDP2 (default resharding)",
+    ),
     (
         ("ours_s3", WORLD),
         ("fsdp2_s3_fused", WORLD),
         None,
-        "vs FSDP2 (ZeRO-3) with AdamW(fused=True)",
+        "vs that FSDP2 with AdamW(fused=True)",
+    ),
+    (
+        ("ours_s3", WORLD),
+        ("fsdp2_s3_strict", WORLD),
+        None,
+        "vs FSDP2 with reshard_after_forward=True on the root too",
     ),
 ]
 CENSUS_POINTS = ("after_forward", "after_backward", "after_step")
@@ -217,10 +233,10 @@ def census_deepspeed(engine) -> dict:
 def census_deepspeed_s3(engine) -> dict:
     """DeepSpeed ZeRO-3: parameters are each parameter's partition (`ds_tensor`, views into
     `fp16_partitioned_groups_flat`) plus `p.data` while a parameter is gathered (empty otherwise);
-    gradients the flat partition buffer `grad_partitions_flat_buffer`, `averaged_gradients`, the fp32
-    partitions' `.grad` and any `p.grad`; the fp32 master partitions `fp32_partitioned_groups_flat`
-    (for an fp32 model these are the parameter partitions themselves, so they add nothing); the inner
-    optimizer's state. The ipg reduction buckets (`torch.empty(reduce_bucket_size)`, 5e8 elements by
+    gradients the flat partition buffer `grad_partitions_flat_buffer`, `averaged_gradients`, the
+    fp32 partitions' `.grad` and any `p.grad`; the fp32 master partitions
+    `fp32_partitioned_groups_flat` (a copy even for an fp32 model on CPU); the inner optimizer's
+    state. The ipg reduction buckets (`torch.empty(reduce_bucket_size)`, 5e8 elements by
     default, only the pages written are resident) are kept apart as 'bucket' (virtual bytes);
     'other': everything else reachable from the ZeRO optimizer and its parameter coordinator."""
     opt = engine.optimizer
@@ -298,12 +314,20 @@ def worker(args) -> None:
             mp["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32
             )
-        # Stage 2 modes: reshard_after_forward=False (ZeRO-2); the _s3 modes: True (fully_shard's
-        # default, ZeRO-3; FSDP2 itself keeps the root unsharded after forward).
-        reshard = mode_stage(mode) == 3
+        # Stage 2 modes: reshard_after_forward=False (ZeRO-2). The _s3 modes: fully_shard's
+        # default, None, which is True (ZeRO-3) for the blocks and False for the root, whose
+        # parameters backward needs first.
+        if mode == "fsdp2_s3_strict":
+            mp["reshard_after_forward"] = True
+            reshard = "True (passed explicitly: the root too)"
+        elif mode_stage(mode) == 3:
+            reshard = "None (default: True on the blocks, False on the root)"
+        else:
+            mp["reshard_after_forward"] = False
+            reshard = "False"
         for block in model.blocks:
-            fully_shard(block, reshard_after_forward=reshard, **mp)
-        fully_shard(model, reshard_after_forward=reshard, **mp)
+            fully_shard(block, **mp)
+        fully_shard(model, **mp)
         fused = {"fused": True} if mode.endswith("_fused") else {}
         opt = torch.optim.AdamW(model.parameters(), lr=LR, **fused)
 
@@ -323,7 +347,7 @@ def worker(args) -> None:
 
         settings = (
             f"fully_shard(reshard_after_forward={reshard}"
-            f"{', ' + repr(mp['mp_policy']) if mp else ''})"
+            f"{', ' + repr(mp['mp_policy']) if 'mp_policy' in mp else ''})"
         )
         settings += f", AdamW(fused={bool(fused)})"
 
@@ -370,7 +394,12 @@ def worker(args) -> None:
                     f"; {len(sp.units)} units ({len(gathered)} gathered on use, parameters per "
                     f"unit {gathered}), persistent: {len(persistent)} parameters, "
                     f"{sum(sp.layout.numels[sp.index[p]] for p in persistent):,} elements, "
-                    "no prefetch"
+                    + (
+                        f"prefetch of the next unit when it holds <= {sp.prefetch_elements:.0e} "
+                        "elements"
+                        if hasattr(sp, "prefetch_elements")
+                        else "no prefetch"
+                    )
                 )
         else:
             settings = (
@@ -507,11 +536,24 @@ def settings_lines(results) -> list[str]:
     ]
 
 
+def drop_notes(argv: list[str]) -> list[str]:
+    """The command line without its --note texts (they are in the notes already)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--note":
+            skip = True
+        elif not a.startswith("--note="):
+            out.append(a)
+    return out
+
+
 def orchestrate(args) -> int:
     if args.profile:
         return profile_mode(args)
     n_params = sum(p.numel() for p in build_model().parameters())
-    cmd = " ".join(["python", "benchmarks/bench_zero.py", *sys.argv[1:]])
+    cmd = shlex.join(["python", "benchmarks/bench_zero.py", *drop_notes(sys.argv[1:])])
     print(
         f"model: {n_params / 1e6:.2f}M params, seq {SEQ}, micro batch {args.micro_batch}, "
         f"world size {WORLD}, {args.warmup} warm-up + {args.steps} timed steps, {args.rounds} "
@@ -789,7 +831,8 @@ def write_section_s3(
         f"- Model and data as in the sections above: GPT-style LM, {p / 1e6:.2f}M parameters "
         f"(vocab {VOCAB}, d_model {D_MODEL}, {N_LAYERS} layers, {N_HEADS} heads, seq {SEQ}), fp32, "
         "fixed seed; synthetic token batches from a seed per (rank, step), identical in every "
-        f"mode; micro batch {args.micro_batch} per rank, world size {WORLD}. {shardspeed_source()}.",
+        f"mode; micro batch {args.micro_batch} per rank, world size {WORLD}. "
+        f"{shardspeed_source()}.",
         f"- Each run: {args.warmup} warm-up steps, then {args.steps} timed steps (barrier before "
         "and after); tokens/s = world size x micro batch x seq x steps / time, measured on rank 0. "
         f"{args.rounds} rounds with the modes interleaved (order rotated per round); table ratios "
@@ -808,7 +851,8 @@ def write_section_s3(
         "(each Linear / LayerNorm / Embedding by its own hooks), records the module order in the "
         "first step and then prefetches up to `stage3_prefetch_bucket_size` elements ahead (the "
         "whole model here); shardspeed gathers per unit (a transformer block, the rest of the "
-        "model) just in time. (c) DeepSpeed releases a parameter after use only if it is not "
+        "model) on use and, where it has prefetch (see 'As run'), the next unit in the order of "
+        "the first forward (reversed in backward) in the background. (c) DeepSpeed releases a parameter after use only if it is not "
         "used again within `stage3_max_reuse_distance` elements; with 1e9 > P every parameter "
         "stays gathered from its forward to its backward, so DeepSpeed holds the whole model "
         "after forward (the census 'after fwd' column); shardspeed releases each block after its "
@@ -818,11 +862,23 @@ def write_section_s3(
         "master. DeepSpeed runs with its C++ CPU FusedAdam, shardspeed with "
         "`torch.optim.AdamW(fused=True)`.",
         "- FSDP2: `fully_shard(block)` for each transformer block, then `fully_shard(model)` on "
-        "the root (embeddings, final norm, head), with the default `reshard_after_forward=True` "
-        "(FSDP2 itself keeps the root's parameters unsharded after forward, as they are needed "
-        "first in backward); `torch.optim.AdamW(lr=3e-4)` (on CPU: the per-tensor loop) and "
+        "the root (embeddings, final norm, head), with `reshard_after_forward` left at its "
+        "default, None, which in torch 2.13 means True (reshard after forward, ZeRO-3) for the "
+        "blocks and False for the root: the root's parameters (embeddings and head, 40% of P "
+        "here) stay unsharded from forward to backward, which needs them first. "
+        "`torch.optim.AdamW(lr=3e-4)` (on CPU: the per-tensor loop) and "
         "`torch.nn.utils.clip_grad_norm_(params, 1.0)`; the row 'with AdamW(fused=True)' is the "
         "same with `fused=True` (information, no target).",
+        *(
+            [
+                "- fsdp2_s3_strict (`--modes`, information): the same FSDP2 with "
+                "`reshard_after_forward=True` passed explicitly, so the root is resharded after "
+                "forward and all-gathered again for backward, as shardspeed does with its 'rest of "
+                "the model' unit."
+            ]
+            if ("fsdp2_s3_strict", WORLD) in results
+            else []
+        ),
         "- Model-state bytes are counted on a census step after the timed steps (after its "
         "forward, backward and optimizer step, each storage once), rank 0 at the point where the "
         "sum is largest. shardspeed: `engine.memory_breakdown()` minus buffers: its 1/N shard, "
@@ -910,13 +966,15 @@ def main(argv=None) -> int:
         metavar="MODE",
         help=f"modes to run, of {', '.join(MODES)} (default: the fp32 stage 1/2 modes "
         f"{', '.join(FP32_MODES)}; with --stage3: {', '.join(STAGE3_MODES)}; the *_fused modes are "
-        "the informational FSDP2 baselines with AdamW(fused=True))",
+        "the informational FSDP2 baselines with AdamW(fused=True), fsdp2_s3_strict FSDP2 with "
+        "reshard_after_forward=True on the root too)",
     )
     p.add_argument(
         "--stage3",
         action="store_true",
         help="run the ZeRO stage 3 comparisons instead (" + ", ".join(STAGE3_MODES) + "); "
-        f"--write then updates the section '{SECTION_TITLE_S3[3:]}' (about 4 minutes)",
+        f"--write then updates the section '{SECTION_TITLE_S3[3:]}' (about 4 minutes on an idle "
+        "machine)",
     )
     p.add_argument(
         "--bf16",
