@@ -48,15 +48,6 @@ class FlatLayout:
             for offset, numel, shape in zip(self.offsets, self.numels, self.shapes)
         ]
 
-    def flatten(
-        self, tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """A new buffer holding copies of `tensors` (padding zeroed)."""
-        buffer = torch.zeros(self.total, dtype=dtype, device=device)
-        for view, tensor in zip(self.views(buffer), tensors):
-            view.copy_(tensor.detach())
-        return buffer
-
     def shard(self, group: int, rank: int) -> tuple[int, int]:
         """[start, end) of `rank`'s shard of `group` in the flat buffer."""
         start, end = self.groups[group]

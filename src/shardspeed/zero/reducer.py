@@ -86,10 +86,6 @@ class GradientReducer:
             r if self.group is None else dist.get_global_rank(self.group, r) for r in range(size)
         ]
 
-    @property
-    def num_buckets(self) -> int:
-        return len(self._buckets)
-
     def gradient_slot(self, index: int) -> torch.Tensor:
         """Where parameter `index`'s gradient goes in its bucket (allocating the bucket if needed)."""
         bucket = self._buckets[self._bucket_of[index]]
