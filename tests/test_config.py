@@ -245,6 +245,20 @@ BAD_CONFIGS = [
         "Lamb needs whole tensors",
     ),
     ({"zero_optimization": {"sub_group_size": 1000}}, "(issue 4"),
+    (
+        {"zero_optimization": {"stage": 2, "stage3_param_persistence_threshold": 10}},
+        "'zero_optimization.stage3_param_persistence_threshold' only acts at ZeRO stage 3; at "
+        "stage 2 it would be ignored",
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "allgather_partitions": False}},
+        "'zero_optimization.allgather_partitions' only acts at ZeRO stage 1 or 2",
+    ),
+    (
+        {"zero_optimization": {"stage": 0, "reduce_scatter": False}},
+        "'zero_optimization.reduce_scatter' only acts at ZeRO stage 1 or 2 or 3",
+    ),
+    ({"disable_allgather": True}, "'disable_allgather' only acts at ZeRO stage 1 or 2"),
     ({"zero_optimization": {"compute_grad_norm": False}}, "always computes the norm"),
     (
         {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},

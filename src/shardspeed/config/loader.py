@@ -38,6 +38,17 @@ AUTO_TO_DEFAULT = {
     ("zero_optimization", "stage3_prefetch_bucket_size"),
     ("zero_optimization", "stage3_param_persistence_threshold"),
 }
+# Keys that only mean something at some stages: a non-default value elsewhere would be ignored.
+STAGE_ONLY_KEYS = {
+    "zero_optimization.reduce_scatter": {1, 2, 3},
+    "zero_optimization.allgather_partitions": {1, 2},
+    "zero_optimization.allgather_bucket_size": {1, 2},
+    "disable_allgather": {1, 2},
+    "zero_optimization.stage3_prefetch_bucket_size": {3},
+    "zero_optimization.stage3_param_persistence_threshold": {3},
+    "zero_optimization.stage3_model_persistence_threshold": {3},
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": {3},
+}
 STAGE3_UNPREFIXED = (
     "prefetch_bucket_size",
     "param_persistence_threshold",
@@ -318,6 +329,15 @@ def _cross_section(config: ShardSpeedConfig) -> list[str]:
     if config.fp16.enabled and config.bf16.enabled:
         problems.append("'fp16.enabled' and 'bf16.enabled' are both true: choose one precision")
     stage = config.zero_optimization.stage
+    for path, stages in STAGE_ONLY_KEYS.items():
+        *parent, name = path.split(".")
+        section = config.zero_optimization if parent else config
+        value = getattr(section, name)
+        if stage not in stages and value != type(section).model_fields[name].get_default():
+            problems.append(
+                f"'{path}' only acts at ZeRO stage {' or '.join(map(str, sorted(stages)))}; at "
+                f"stage {stage} it would be ignored: remove it (got {value!r})"
+            )
     lamb = (
         config.optimizer is not None and canonical_optimizer_name(config.optimizer.type) == "Lamb"
     )
