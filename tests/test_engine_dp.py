@@ -26,20 +26,6 @@ from reference_training import (
     reference,
     train,
 )
-from shardspeed.testing import RankPool
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with RankPool(2) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with RankPool(4) as pool:
-        yield pool
-
 
 # -- parity with the single-process reference ------------------------------------------------
 

@@ -18,19 +18,7 @@ from reference_training import (
     reference,
     train,
 )
-from shardspeed.testing import RankFailure, RankPool
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with RankPool(2) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with RankPool(4) as pool:
-        yield pool
+from shardspeed.testing import RankFailure
 
 
 def zero(stage: int, **keys) -> dict:

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import shardspeed
-from shardspeed.testing import RankPool
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,12 +64,6 @@ def train_hf(kind: str, zero: dict) -> list[torch.Tensor]:
         engine.step()
     with shardspeed.zero.GatheredParameters(list(model.parameters())):
         return [p.detach().clone() for p in model.parameters()]
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with RankPool(2) as pool:
-        yield pool
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
