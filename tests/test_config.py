@@ -233,8 +233,12 @@ BAD_CONFIGS = [
     ),
     ({"zero_optimization": {"stage": 5}}, "'zero_optimization.stage'"),
     (
-        {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 10}},
-        "'zero_optimization.stage3_max_live_parameters' is a DeepSpeed key",
+        {"zero_optimization": {"stage": 3, "leaf_module": {"names": "h", "classes": [1]}}},
+        "'zero_optimization.leaf_module.classes[0]'",
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 10}},
+        "'zero_optimization.stage3_module_granularity_threshold' is a DeepSpeed key",
     ),
     (
         {"zero_optimization": {"round_robin_gradients": True}},

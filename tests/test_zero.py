@@ -459,7 +459,12 @@ def gathered_peak(prefetch: int) -> dict:
         config={
             "train_batch_size": 8,
             "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-            **zero(3, stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=prefetch),
+            **zero(
+                3,
+                stage3_param_persistence_threshold=0,
+                stage3_prefetch_bucket_size=prefetch,
+                stage3_max_reuse_distance=0,
+            ),
         },
     )
     idx = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(0))
@@ -477,8 +482,8 @@ def test_stage3_prefetch_keeps_one_more_unit_alive(pool2):
     on = pool2.run(gathered_peak, 10**6)[0]["peak"]
     block = 4 * (8 * 8 + 8)  # one Linear(8, 8) unit, fp32
     tied = 4 * 16 * 8  # the shared embedding/head weight: persistent, always whole
-    # Without prefetch: the tied weight and two blocks (block 0 is called twice, so it stays
-    # gathered while block 2 runs backward). Prefetching adds at most one unit in flight.
+    # Without prefetch or reuse: the tied weight and two blocks (block 0 is called twice, so it
+    # stays gathered while block 2 runs backward). Prefetching adds at most one unit in flight.
     assert off == tied + 2 * block
     assert off < on <= off + block
 

@@ -48,6 +48,9 @@ STAGE_ONLY_KEYS = {
     "zero_optimization.stage3_param_persistence_threshold": {3},
     "zero_optimization.stage3_model_persistence_threshold": {3},
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": {3},
+    "zero_optimization.stage3_max_live_parameters": {3},
+    "zero_optimization.stage3_max_reuse_distance": {3},
+    "zero_optimization.leaf_module": {3},
 }
 STAGE3_UNPREFIXED = (
     "prefetch_bucket_size",
@@ -333,7 +336,8 @@ def _cross_section(config: ShardSpeedConfig) -> list[str]:
         *parent, name = path.split(".")
         section = config.zero_optimization if parent else config
         value = getattr(section, name)
-        if stage not in stages and value != type(section).model_fields[name].get_default():
+        default = type(section).model_fields[name].get_default(call_default_factory=True)
+        if stage not in stages and value != default:
             problems.append(
                 f"'{path}' only acts at ZeRO stage {' or '.join(map(str, sorted(stages)))}; at "
                 f"stage {stage} it would be ignored: remove it (got {value!r})"

@@ -82,6 +82,31 @@ class BF16Config(StrictModel):
         return value
 
 
+# DeepSpeed's default leaf classes: MoE blocks, whose experts run in a data-dependent order.
+DEFAULT_LEAF_MODULE_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+class LeafModuleConfig(StrictModel):
+    """`zero_optimization.leaf_module`: modules that become ZeRO-3 gather units of their own.
+
+    A class is matched by its name or its qualified name (`package.module.Class`), a module by its
+    name in `model.named_modules()` or a suffix of that name. A single string stands for a list.
+    """
+
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    names: list[str] = Field(default_factory=list)
+    name_suffixes: list[str] = Field(default_factory=list)
+
+    @field_validator("classes", "names", "name_suffixes", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+
 class ZeroConfig(StrictModel):
     """`zero_optimization`. Stages 0 (plain data parallelism), 1 and 2 are implemented; 3 comes later.
 
@@ -126,7 +151,7 @@ class ZeroConfig(StrictModel):
     log_trace_cache_warnings: bool = False
     enable_sanity_checks: bool = False
     save_muon_momentum_buffer_in_memory: bool = False
-    leaf_module: Section = None
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
     zenflow: Section = None
 
     not_supported_until: ClassVar[dict[str, str]] = {
@@ -147,8 +172,6 @@ class ZeroConfig(StrictModel):
         **{
             name: ISSUE_ZERO3
             for name in (
-                "stage3_max_live_parameters",
-                "stage3_max_reuse_distance",
                 "stage3_module_granularity_threshold",
                 "stage3_use_all_reduce_for_fetch_params",
                 "stage3_allgather_sequential",
@@ -159,7 +182,6 @@ class ZeroConfig(StrictModel):
                 "override_module_apply",
                 "log_trace_cache_warnings",
                 "enable_sanity_checks",
-                "leaf_module",
             )
         },
     }

@@ -24,7 +24,7 @@ from ..config import ShardSpeedConfig, optimizer_params, scheduler_params
 from ..config.errors import ConfigError
 from ..optim import build_optimizer, build_scheduler
 from ..precision import build_loss_scaler
-from ..zero import GatheredParameters, GatherOptions, ReduceOptions, ZeroOptimizer
+from ..zero import GatheredParameters, GatherOptions, ReduceOptions, Stage3Options, ZeroOptimizer
 from .dataloader import DistributedDataLoader
 
 logger = logging.getLogger("shardspeed")
@@ -159,11 +159,7 @@ class ShardSpeedEngine(nn.Module):
             reduce=reduce,
             gather=gather,
             ignore_unused_parameters=zero.ignore_unused_parameters,
-            persistence=(
-                zero.stage3_param_persistence_threshold,
-                zero.stage3_model_persistence_threshold,
-            ),
-            prefetch_elements=zero.stage3_prefetch_bucket_size,
+            stage3=stage3_options(zero),
         )
 
     def _build_scheduler(self, client: Any) -> Any:
@@ -224,6 +220,8 @@ class ShardSpeedEngine(nn.Module):
         self._prepare_micro_step()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), torch.float16)
+        if self.optimizer is not None and self.optimizer.sharded_params is not None:
+            self.optimizer.sharded_params.begin_pass(torch.is_grad_enabled())
         with self._timed("forward"):
             return self.module(*args, **kwargs)
 
@@ -498,6 +496,28 @@ class ShardSpeedEngine(nn.Module):
 
     def was_step_applied(self) -> bool:
         return self._step_applied
+
+
+def stage3_options(zero: Any) -> Stage3Options:
+    """The `zero_optimization` keys that shape stage 3's gather units and their lifetimes."""
+    leaf = zero.leaf_module
+    defaults = type(leaf)()
+    required = [
+        *(c for c in leaf.classes if c not in defaults.classes),
+        *leaf.names,
+        *leaf.name_suffixes,
+    ]
+    return Stage3Options(
+        persistence_threshold=zero.stage3_param_persistence_threshold,
+        model_persistence_threshold=zero.stage3_model_persistence_threshold,
+        prefetch_elements=zero.stage3_prefetch_bucket_size,
+        max_live_elements=zero.stage3_max_live_parameters,
+        max_reuse_distance=zero.stage3_max_reuse_distance,
+        leaf_classes=tuple(leaf.classes),
+        leaf_names=tuple(leaf.names),
+        leaf_name_suffixes=tuple(leaf.name_suffixes),
+        leaf_required=tuple(required),
+    )
 
 
 def _device() -> torch.device:

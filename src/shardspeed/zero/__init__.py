@@ -1,10 +1,10 @@
-"""The zero room: flat buffers, gradient reduction and the ZeRO optimizer (stages 0, 1, 2)."""
+"""The zero room: flat buffers, gradient reduction and the ZeRO optimizer (stages 0 to 3)."""
 
 from .estimate import model_state_bytes
 from .flat import FlatLayout
 from .init import Init
 from .optimizer import GatherOptions, NonFiniteGradientError, ReduceOptions, ZeroOptimizer
-from .partitioned import GatheredParameters
+from .partitioned import GatheredParameters, Stage3Options
 from .reducer import GradientReducer
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "Init",
     "NonFiniteGradientError",
     "ReduceOptions",
+    "Stage3Options",
     "ZeroOptimizer",
     "model_state_bytes",
 ]

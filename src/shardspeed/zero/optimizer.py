@@ -31,7 +31,7 @@ from ..comm import all_gather, all_gather_into_tensor, all_reduce, broadcast
 from ..precision import LossScaler, StaticLossScaler
 from .flat import FlatLayout
 from .init import full_value, is_init_sharded
-from .partitioned import ShardedParameters, Unit, plan_units
+from .partitioned import ShardedParameters, Stage3Options, Unit, plan_units
 from .reducer import GradientReducer
 
 
@@ -82,8 +82,7 @@ class ZeroOptimizer:
         reduce: ReduceOptions,
         gather: GatherOptions | None = None,
         ignore_unused_parameters: bool = True,
-        persistence: tuple[int, int] = (100_000, 2**63 - 1),
-        prefetch_elements: int = 50_000_000,
+        stage3: Stage3Options | None = None,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -101,7 +100,7 @@ class ZeroOptimizer:
         # A region is what the optimizer steps as one tensor: a param group, or at stage 3 the
         # part of a param group inside one gather unit.
         units = (
-            plan_units(module, [p for g in groups for p in g], *persistence)
+            plan_units(module, [p for g in groups for p in g], stage3 or Stage3Options())
             if self.stage == 3
             else []
         )
@@ -141,7 +140,7 @@ class ZeroOptimizer:
                 shard,
                 self.params,
                 dp_group,
-                prefetch_elements=prefetch_elements,
+                stage3,
             )
             self.sharded_params.refresh_persistent()
         else:

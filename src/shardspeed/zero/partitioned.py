@@ -1,15 +1,22 @@
 """ZeRO stage 3's parameters: each rank keeps 1/N of them, units are gathered just in time.
 
 A unit is a set of parameters gathered and released together: one per child of every (outermost)
-`nn.ModuleList` (a transformer block, typically), one for the rest of the model, and one
-persistent unit that is never released: parameters below `stage3_param_persistence_threshold` and
-parameters shared between units (a tied embedding and head). Each unit's parameters form their own
-regions of the flat layout, so gathering a unit is one all-gather of equal shards per param group.
+`nn.ModuleList` (a transformer block, typically), one per leaf module (`leaf_module` in the config,
+or flagged with `set_z3_leaf_modules`; a leaf nested in a block takes its parameters out of the
+block's unit), one for the rest of the model, and one persistent unit that is never released:
+parameters below `stage3_param_persistence_threshold` and parameters shared between units (a tied
+embedding and head). Each unit's parameters form their own regions of the flat layout, so gathering
+a unit is one all-gather of equal shards per param group.
 
-A unit is gathered before its forward and again before its backward (a hook on its outputs), and
-released after its forward and once all its parameters have their gradients. While a unit computes,
-the next one (in the order units ran in the first forward; reversed in backward) is gathered in the
-background when it holds at most `stage3_prefetch_bucket_size` elements.
+A unit is gathered before its forward and again before its backward (a hook on its outputs). The
+first pass (forward then backward) records the order units are used in; later passes that follow it
+(a) prefetch the next unit while the current one computes, when it holds at most
+`stage3_prefetch_bucket_size` elements, and (b) keep a finished unit whole instead of releasing it
+when it is used again within `stage3_max_reuse_distance` elements of other units (DeepSpeed's
+meaning: with its default of 1e9 a small model stays gathered from its forward to its backward).
+Neither prefetching nor keeping ever takes the gathered non-persistent elements above
+`stage3_max_live_parameters`; a unit needed now evicts kept units first. A pass that leaves the
+recorded order stops prefetching and keeping, and the next pass records again.
 """
 
 from __future__ import annotations
@@ -24,11 +31,29 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..comm import all_gather_into_tensor, broadcast, get_rank
+from ..config.errors import ConfigError
+from ..utils.z3_leaf_module import z3_leaf_module
 from .flat import FlatLayout, logical_shape
 
 # The attribute naming the ShardedParameters that owns a parameter (how GatheredParameters finds
 # what to gather; tensors cannot be dictionary keys by value).
 _OWNER = "_shardspeed_shards"
+
+
+@dataclass(frozen=True)
+class Stage3Options:
+    """The stage 3 keys of `zero_optimization`, in elements (DeepSpeed's defaults)."""
+
+    persistence_threshold: int = 100_000
+    model_persistence_threshold: int = 2**63 - 1
+    prefetch_elements: int = 50_000_000
+    max_live_elements: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    leaf_classes: tuple[str, ...] = ()
+    leaf_names: tuple[str, ...] = ()
+    leaf_name_suffixes: tuple[str, ...] = ()
+    # Entries the user wrote (not DeepSpeed's defaults): one that matches nothing is an error.
+    leaf_required: tuple[str, ...] = ()
 
 
 @dataclass
@@ -38,48 +63,111 @@ class Unit:
     params: list[nn.Parameter]
     modules: list[nn.Module] = field(default_factory=list)
     persistent: bool = False
+    name: str = ""
+
+
+def leaf_modules(module: nn.Module, options: Stage3Options) -> set[nn.Module]:
+    """Modules named by `leaf_module` (class, name or name suffix) or flagged as leaves."""
+    found: set[nn.Module] = set()
+    matched: set[str] = set()
+    for name, sub in module.named_modules():
+        cls = type(sub)
+        hits = [
+            *(
+                c
+                for c in options.leaf_classes
+                if c in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+            ),
+            *(n for n in options.leaf_names if n == name),
+            *(x for x in options.leaf_name_suffixes if name.endswith(x)),
+        ]
+        if hits or z3_leaf_module(sub):
+            found.add(sub)
+            matched.update(hits)
+    missing = [entry for entry in options.leaf_required if entry not in matched]
+    if missing:
+        raise ConfigError(
+            f"'zero_optimization.leaf_module' entries {missing} match no module of the model: "
+            "give class names (or package.module.Class), module names from "
+            "model.named_modules(), or suffixes of those names"
+        )
+    return found
 
 
 def plan_units(
-    module: nn.Module,
-    params: Sequence[nn.Parameter],
-    persistence_threshold: int,
-    model_persistence_threshold: int,
+    module: nn.Module, params: Sequence[nn.Parameter], options: Stage3Options
 ) -> list[Unit]:
     """Split `params` (the trainable ones) into units, persistent unit first."""
-    roots: list[nn.Module] = []
+    leaves = leaf_modules(module, options)
+    roots: list[tuple[str, nn.Module]] = []
+    unit_of_module: dict[nn.Module, int] = {}
 
-    def walk(parent: nn.Module) -> None:
-        for child in parent.children():
-            if isinstance(child, nn.ModuleList):
-                roots.extend(child)
-            else:
-                walk(child)
+    def walk(parent: nn.Module, prefix: str, unit: int, in_block: bool, in_leaf: bool) -> None:
+        for name, child in parent.named_children():
+            if child in unit_of_module:
+                continue  # a module registered twice belongs where it was first seen
+            path = f"{prefix}{name}"
+            here, block, leaf = unit, in_block, in_leaf
+            if not in_leaf and (
+                child in leaves or (isinstance(parent, nn.ModuleList) and not in_block)
+            ):
+                roots.append((path, child))
+                here, block, leaf = len(roots) - 1, True, in_leaf or child in leaves
+            unit_of_module[child] = here
+            walk(child, f"{path}.", here, block, leaf)
 
-    walk(module)
-    unit_of_module = {}
-    for index, root in enumerate(roots):
-        for sub in root.modules():
-            unit_of_module.setdefault(sub, index)
+    rest = -1  # resolved once every root is known
+    unit_of_module[module] = rest
+    walk(module, "", rest, False, False)
     rest = len(roots)
     homes: dict[nn.Parameter, set[int]] = {}
     for sub in module.modules():
+        home = unit_of_module[sub] if unit_of_module[sub] >= 0 else rest
         for p in sub.parameters(recurse=False):
-            homes.setdefault(p, set()).add(unit_of_module.get(sub, rest))
+            homes.setdefault(p, set()).add(home)
     managed = set(params)
-    persistent, budget = [], model_persistence_threshold
+    persistent, budget = [], options.model_persistence_threshold
     for p in params:
         numel = logical_shape(p).numel()
-        if (len(homes[p]) > 1 or numel <= persistence_threshold) and numel <= budget:
+        if (len(homes[p]) > 1 or numel <= options.persistence_threshold) and numel <= budget:
             persistent.append(p)
             budget -= numel
     kept = set(persistent)
-    units = [Unit(persistent, persistent=True)]
-    for index, root in enumerate([*roots, module]):
+    units = [Unit(persistent, persistent=True, name="(persistent)")]
+    for index, (name, root) in enumerate([*roots, ("(rest of the model)", module)]):
         owned = [p for p in params if p not in kept and min(homes[p]) == index]
-        units.append(Unit(owned, [root]))
+        units.append(Unit(owned, [root], name=name))
     assert sum(len(u.params) for u in units) == len(managed)
     return [u for u in units if u.params or u.persistent]
+
+
+class _Trace:
+    """The order units were used in during one pass (a forward and its backward)."""
+
+    def __init__(self) -> None:
+        self.units: list[int] = []
+        self.recording = True
+        self.valid = True
+        self.cursor = 0
+
+    def begin(self) -> None:
+        if self.recording and self.units:
+            self.recording = False
+        elif not self.valid:
+            self.units, self.recording = [], True
+        self.cursor, self.valid = 0, True
+
+    def advance(self, u: int) -> None:
+        if self.recording:
+            self.units.append(u)
+        elif self.valid and self.cursor < len(self.units) and self.units[self.cursor] == u:
+            self.cursor += 1
+        else:
+            self.valid = False
+
+    def upcoming(self) -> list[int]:
+        """Units still to be used this pass, in order (empty while recording or off the trace)."""
+        return self.units[self.cursor :] if self.valid and not self.recording else []
 
 
 class ShardedParameters:
@@ -94,13 +182,28 @@ class ShardedParameters:
         shard: torch.Tensor,
         params: list[nn.Parameter],
         group: Any,
-        prefetch_elements: int = 50_000_000,
+        options: Stage3Options | None = None,
     ) -> None:
         self.units, self.layout, self.unit_regions = units, layout, unit_regions
         self.shard_offsets, self.shard, self.group = shard_offsets, shard, group
+        self.options = options or Stage3Options()
         self.index = {p: i for i, p in enumerate(params)}
         self.params = params
+        self.numel = [self.span(u)[1] - self.span(u)[0] for u in range(len(units))]
+        largest = max(
+            (u for u in range(len(units)) if not units[u].persistent),
+            key=lambda u: self.numel[u],
+            default=None,
+        )
+        if largest is not None and self.numel[largest] > self.options.max_live_elements:
+            raise ConfigError(
+                f"'zero_optimization.stage3_max_live_parameters' is "
+                f"{self.options.max_live_elements}, but the gather unit '{units[largest].name}' "
+                f"alone holds {self.numel[largest]} elements: raise the limit to at least that, "
+                "or split the model into smaller units with 'zero_optimization.leaf_module'"
+            )
         self.buffers: dict[int, torch.Tensor] = {}
+        self._kept: set[int] = set()  # finished units kept whole because they are reused soon
         self._empty = torch.empty(0, dtype=shard.dtype, device=shard.device)
         self._pending: list[int] = [len(u.params) for u in units]
         self.unit_of = [0] * len(params)
@@ -108,13 +211,12 @@ class ShardedParameters:
             for p in unit.params:
                 self.unit_of[self.index[p]] = u
         self.after_write: Callable[[], None] | None = None
-        # Prefetch follows the order units ran in the first forward (recorded once).
-        self.prefetch_elements = prefetch_elements
-        self.order: list[int] = []
-        self._seen_order: list[int] = []
-        self._recording = True
+        # Forwards with and without autograd use units in different orders: one trace each.
+        self._traces = {True: _Trace(), False: _Trace()}
+        self.trace = self._traces[True]
         self._in_flight: dict[int, tuple[torch.Tensor, list]] = {}
         self.peak_gathered_bytes = 0
+        self.peak_live_elements = 0  # what stage3_max_live_parameters bounds
         for p in params:
             setattr(p, _OWNER, self)
             p.data = self._empty  # the whole values now live only as shards (and units on demand)
@@ -128,11 +230,24 @@ class ShardedParameters:
         regions = self.unit_regions[u]
         return self.layout.groups[regions[0]][0], self.layout.groups[regions[-1]][1]
 
+    def begin_pass(self, grad_enabled: bool) -> None:
+        """A forward starts (the engine calls this): follow, or record, the trace of its kind."""
+        self.trace = self._traces[grad_enabled]
+        self.trace.begin()
+
+    def live_elements(self) -> int:
+        """Elements of non-persistent units that are whole or being gathered."""
+        live = [*self.buffers, *self._in_flight]
+        return sum(self.numel[u] for u in live if not self.units[u].persistent)
+
     def gather(self, u: int) -> None:
         """Make unit `u`'s parameters whole on every rank (a no-op if they already are)."""
+        self._kept.discard(u)
         if u in self.buffers:
             return
         if u not in self._in_flight:
+            if not self.units[u].persistent:
+                self._make_room(self.numel[u])
             self._launch(u)
         buffer, works = self._in_flight.pop(u)
         for work in works:
@@ -144,6 +259,13 @@ class ShardedParameters:
             i = self.index[p]
             offset = self.layout.offsets[i] - start
             p.data = buffer.narrow(0, offset, self.layout.numels[i]).view(self.layout.shapes[i])
+
+    def _make_room(self, elements: int) -> None:
+        """Release kept units until `elements` more fit under stage3_max_live_parameters."""
+        for v in sorted(self._kept):
+            if self.live_elements() + elements <= self.options.max_live_elements:
+                return
+            self.release(v)
 
     def _launch(self, u: int) -> None:
         start, end = self.span(u)
@@ -163,24 +285,45 @@ class ShardedParameters:
         buffers = [*self.buffers.values(), *(b for b, _ in self._in_flight.values())]
         live = sum(b.numel() * b.element_size() for b in buffers)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
+        self.peak_live_elements = max(self.peak_live_elements, self.live_elements())
 
-    def prefetch(self, u: int | None) -> None:
-        """Start gathering unit `u` in the background, if it is small enough to be worth it."""
-        if u is None or u in self.buffers or u in self._in_flight:
+    def _prefetch(self) -> None:
+        """Start gathering the next unit the trace will need, if it fits both limits.
+
+        One unit in flight at a time: units are coarse (a whole block), so one ahead is enough to
+        hide a gather behind a block's compute, and memory stays one unit above the working set.
+        """
+        if self._in_flight:
             return
-        start, end = self.span(u)
-        if end - start <= self.prefetch_elements:
-            self._launch(u)
+        for v in self.trace.upcoming():
+            if v in self.buffers:
+                continue
+            fits = self.live_elements() + self.numel[v] <= self.options.max_live_elements
+            if self.numel[v] <= self.options.prefetch_elements and fits:
+                self._launch(v)
+            return
 
-    def _neighbour(self, u: int, step: int) -> int | None:
-        """The unit that ran just after (step 1) or before (step -1) `u` in the last forward."""
-        if u not in self.order:
-            return None
-        i = self.order.index(u) + step
-        return self.order[i] if 0 <= i < len(self.order) else None
+    def _reused_soon(self, u: int) -> bool:
+        """Whether `u` is used again before `stage3_max_reuse_distance` elements of other units."""
+        traversed = 0
+        for v in self.trace.upcoming():
+            if traversed >= self.options.max_reuse_distance:
+                return False
+            if v == u:
+                return self.live_elements() <= self.options.max_live_elements
+            traversed += self.numel[v]
+        return False
+
+    def _finished(self, u: int) -> None:
+        """Unit `u` is not needed right now: keep it if it is reused soon, else release it."""
+        if self._reused_soon(u):
+            self._kept.add(u)
+        else:
+            self.release(u)
 
     def release(self, u: int) -> None:
         """Drop unit `u`'s whole copy (persistent units stay)."""
+        self._kept.discard(u)
         if self.units[u].persistent or u not in self.buffers:
             return
         for p in self.units[u].params:
@@ -198,11 +341,11 @@ class ShardedParameters:
         self._pending = [len(u.params) for u in self.units]
 
     def gradient_done(self, index: int) -> None:
-        """Parameter `index` has its gradient: release its unit once all of them have."""
+        """Parameter `index` has its gradient: its unit is finished once all of them have."""
         u = self.unit_of[index]
         self._pending[u] -= 1
         if self._pending[u] == 0:
-            self.release(u)
+            self._finished(u)
 
     def release_all(self) -> None:
         """End of a step's backward: drop every non-persistent copy, prefetched ones included."""
@@ -210,21 +353,17 @@ class ShardedParameters:
             self.gather(u)
         for u in range(len(self.units)):
             self.release(u)
-        if self._recording:
-            self.order, self._recording = self._seen_order, False
+
+    def _use(self, u: int) -> None:
+        self.trace.advance(u)
+        self.gather(u)
+        self._prefetch()
 
     def _pre_forward(self, u: int) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
-            if self._recording and u not in self._seen_order:
-                self._seen_order.append(u)
-            self.gather(u)
-            self.prefetch(self._neighbour(u, 1))
+            self._use(u)
 
         return hook
-
-    def _pre_backward(self, u: int) -> None:
-        self.gather(u)
-        self.prefetch(self._neighbour(u, -1))
 
     def _post_forward(self, u: int) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -234,9 +373,9 @@ class ShardedParameters:
             if tensors:
                 # Before this unit's backward runs, its parameters must be whole again.
                 torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grad: self._pre_backward(u), mode="any"
+                    tensors, lambda grad: self._use(u), mode="any"
                 )
-            self.release(u)
+            self._finished(u)
 
         return hook
 
