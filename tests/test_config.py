@@ -248,7 +248,7 @@ BAD_CONFIGS = [
         {"zero_optimization": {"stage": 1}, "optimizer": {"type": "Lamb"}},
         "Lamb needs whole tensors",
     ),
-    ({"zero_optimization": {"sub_group_size": 1000}}, "(issue 4"),
+    ({"zero_optimization": {"sub_group_size": 1000}}, "(issue 6"),
     (
         {"zero_optimization": {"stage": 2, "stage3_param_persistence_threshold": 10}},
         "'zero_optimization.stage3_param_persistence_threshold' only acts at ZeRO stage 3; at "

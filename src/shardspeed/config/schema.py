@@ -16,7 +16,6 @@ from .base import NonNegativeInt, PositiveInt, StrictModel
 
 Section = dict[str, Any] | None
 
-ISSUE_ZERO3 = "issue 4 (ZeRO stage 3)"
 ISSUE_CHECKPOINT = "issue 5 (checkpoints)"
 ISSUE_OFFLOAD = "issue 6 (CPU and NVMe offload)"
 ISSUE_PIPE = "issue 7 (pipeline parallelism)"
@@ -165,19 +164,21 @@ class ZeroConfig(StrictModel):
         "pipeline_loading_checkpoint": ISSUE_CHECKPOINT,
         "offload_optimizer": ISSUE_OFFLOAD,
         "offload_param": ISSUE_OFFLOAD,
-        "sub_group_size": ISSUE_ZERO3,
+        "sub_group_size": ISSUE_OFFLOAD,
         "zenflow": ISSUE_OFFLOAD,
         "save_muon_momentum_buffer_in_memory": NOT_PLANNED,
         "zero_quantized_gradients": ISSUE_TOOLS,
+        "stage3_module_granularity_threshold": (
+            f"{NOT_PLANNED}; choose stage 3 gather units with 'zero_optimization.leaf_module'"
+        ),
+        "zero_hpz_partition_size": ISSUE_TOOLS,
+        "zero_quantized_weights": ISSUE_TOOLS,
+        "zero_quantized_nontrainable_weights": ISSUE_TOOLS,
         **{
-            name: ISSUE_ZERO3
+            name: NOT_PLANNED
             for name in (
-                "stage3_module_granularity_threshold",
                 "stage3_use_all_reduce_for_fetch_params",
                 "stage3_allgather_sequential",
-                "zero_hpz_partition_size",
-                "zero_quantized_weights",
-                "zero_quantized_nontrainable_weights",
                 "memory_efficient_linear",
                 "override_module_apply",
                 "log_trace_cache_warnings",
