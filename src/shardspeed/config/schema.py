@@ -106,6 +106,37 @@ class LeafModuleConfig(StrictModel):
         return [value] if isinstance(value, str) else value
 
 
+class ParallelWriteConfig(StrictModel):
+    """`checkpoint.parallel_write`: pipeline stages writing their layers in parallel."""
+
+    pipeline_stage: bool = False
+
+    not_supported_until: ClassVar[dict[str, str]] = {"pipeline_stage": ISSUE_PIPE}
+
+
+class CheckpointConfig(StrictModel):
+    """`checkpoint`: how tags are checked across ranks, and where files go.
+
+    Every shardspeed checkpoint loads at any world size and stage, so `load_universal` has nothing
+    to switch; `elastic_checkpoint` in `zero_optimization` likewise.
+    """
+
+    tag_validation: Literal["Warn", "Ignore", "Fail"] = "Warn"
+    load_universal: bool = False
+    use_node_local_storage: bool = False
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "use_node_local_storage": "every rank writes into the one save_dir, which must be shared"
+    }
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _capitalised(cls, value: Any) -> Any:
+        # DeepSpeed compares these upper-cased, so "WARN" and "warn" are the same setting.
+        return value.capitalize() if isinstance(value, str) else value
+
+
 class ZeroConfig(StrictModel):
     """`zero_optimization`. Stages 0 (plain data parallelism), 1 and 2 are implemented; 3 comes later.
 
@@ -159,9 +190,8 @@ class ZeroConfig(StrictModel):
         "round_robin_gradients": ISSUE_OFFLOAD,
         "legacy_stage1": NOT_PLANNED,
         "parameter_alignment": NOT_PLANNED,
-        "load_from_fp32_weights": ISSUE_CHECKPOINT,
-        "elastic_checkpoint": ISSUE_CHECKPOINT,
-        "pipeline_loading_checkpoint": ISSUE_CHECKPOINT,
+        "load_from_fp32_weights": "shardspeed checkpoints always restore masters from fp32 values",
+        "pipeline_loading_checkpoint": ISSUE_PIPE,
         "offload_optimizer": ISSUE_OFFLOAD,
         "offload_param": ISSUE_OFFLOAD,
         "sub_group_size": ISSUE_OFFLOAD,
@@ -251,7 +281,7 @@ class ShardSpeedConfig(StrictModel):
     aio: Section = None
     autotuning: Section = None
     data_efficiency: Section = None
-    checkpoint: Section = None
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     torch_autocast: Section = None
     data_types: Section = None
     tensorboard: Section = None
@@ -285,7 +315,6 @@ class ShardSpeedConfig(StrictModel):
         "aio": ISSUE_OFFLOAD,
         "autotuning": ISSUE_TOOLS,
         "data_efficiency": NOT_PLANNED,
-        "checkpoint": ISSUE_CHECKPOINT,
         "torch_autocast": NOT_PLANNED,
         "data_types": NOT_PLANNED,
         "tensorboard": ISSUE_TOOLS,
@@ -299,7 +328,7 @@ class ShardSpeedConfig(StrictModel):
         "expert_parallel": ISSUE_MOE,
         "timers": ISSUE_TOOLS,
         "weight_quantization": NOT_PLANNED,
-        "datastates": ISSUE_CHECKPOINT,
+        "datastates": NOT_PLANNED,
     }
 
     @property

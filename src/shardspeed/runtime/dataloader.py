@@ -22,6 +22,22 @@ class _EpochAwareSampler(DistributedSampler):
         self.epoch_chosen = True
 
 
+class _Skipping(Sampler):
+    """`sampler` without its first `skip` indices: the rest of a pass that a checkpoint interrupted."""
+
+    def __init__(self, sampler: Sampler, skip: int) -> None:
+        self.sampler, self.skip = sampler, skip
+
+    def __iter__(self) -> Iterator[int]:
+        indices = iter(self.sampler)
+        for _ in range(self.skip):
+            next(indices, None)
+        return indices
+
+    def __len__(self) -> int:
+        return max(len(self.sampler) - self.skip, 0)
+
+
 class DistributedDataLoader:
     """Micro-batches of `dataset` for one data-parallel rank.
 
@@ -63,6 +79,8 @@ class DistributedDataLoader:
         self.dataloader: DataLoader | None = None
         self._batches: Iterator[Any] | None = None
         self._passes = 0
+        self._consumed = 0  # micro-batches taken from the current pass
+        self._resume_at: int | None = None  # a loaded position: samples of this rank's share to skip
         # Counted from the sampler, which already holds only this rank's (padded) share.
         if drop_last:
             self.len = len(sampler) // batch_size
@@ -75,11 +93,17 @@ class DistributedDataLoader:
 
     def __iter__(self) -> DistributedDataLoader:
         """Start a new pass over this rank's share."""
-        self._advance_epoch()
+        if self._resume_at is not None:
+            sampler: Any = _Skipping(self.data_sampler, self._resume_at)
+            self._resume_at = None
+        else:
+            self._advance_epoch()
+            sampler = self.data_sampler
+        self._consumed = 0
         self.dataloader = DataLoader(
             self.dataset,
             batch_size=self.batch_size,
-            sampler=self.data_sampler,
+            sampler=sampler,
             collate_fn=self.collate_fn,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
@@ -92,7 +116,36 @@ class DistributedDataLoader:
         """The next micro-batch; a first `next` without `iter` starts the first pass."""
         if self._batches is None:
             iter(self)
-        return next(self._batches)
+        batch = next(self._batches)
+        self._consumed += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the data stands: the epoch, and the samples all ranks took from the current pass."""
+        replicas = getattr(self.data_sampler, "num_replicas", 1)
+        return {
+            "epoch": getattr(self.data_sampler, "epoch", 0),
+            "passes": self._passes,
+            "samples_consumed": self._consumed * self.batch_size * replicas,
+            "in_pass": self._batches is not None and self._consumed < self.len,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where `state` stood: the next pass resumes the saved one mid-way.
+
+        Positions are counted in samples over all ranks, so a different number of ranks resumes
+        at the same place (exactly when the count divides evenly among them).
+        """
+        if hasattr(self.data_sampler, "set_epoch"):
+            self.data_sampler.set_epoch(state["epoch"])
+            self.data_sampler.epoch_chosen = False  # restored, not chosen: later passes advance
+        self._passes = state["passes"]
+        self._batches = None
+        self._resume_at = None
+        if state["in_pass"]:
+            replicas = getattr(self.data_sampler, "num_replicas", 1)
+            per_rank = state["samples_consumed"] // replicas
+            self._resume_at = per_rank // self.batch_size * self.batch_size
 
     def set_epoch(self, epoch: int) -> None:
         """Use `epoch` to seed the shuffle of the next pass instead of advancing it automatically."""

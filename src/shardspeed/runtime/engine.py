@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from ..checkpoint import load_engine, save_engine
 from ..comm import Topology, barrier, get_local_rank
 from ..config import ShardSpeedConfig, optimizer_params, scheduler_params
 from ..config.errors import ConfigError
@@ -446,6 +447,58 @@ class ShardSpeedEngine(nn.Module):
             os.replace(partial, path)
         barrier()
         return True
+
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Save everything needed to continue training, as `deepspeed`'s engine does.
+
+        Collective. The tag defaults to `global_step<N>`; `latest` names it once the tag is
+        complete. `client_state` may hold JSON values and tensors. See docs/checkpoint-format.md.
+        """
+        self._require_optimizer("save_checkpoint()")
+        return save_engine(
+            self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
+        )
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Load a checkpoint written at any world size and ZeRO stage: (path, client_state).
+
+        Collective. Without a tag, reads `latest`; with no `latest`, loads nothing and returns
+        (None, None), as DeepSpeed does.
+        """
+        if custom_load_fn is not None:
+            raise ValueError(
+                "load_checkpoint(custom_load_fn=...) is not supported: checkpoints are read by shardspeed's format only"
+            )
+        self._require_optimizer("load_checkpoint()")
+        return load_engine(
+            self,
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+        )
+
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"{what} needs an optimizer: pass one or add an 'optimizer' section")
 
     def consolidated_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """The module's state dict with every parameter whole (collective at stage 3)."""

@@ -361,7 +361,7 @@ class ZeroOptimizer:
         if grads is not self._attached:
             for master in self.masters:
                 master.grad = None  # a temporary fp32 copy: let it go now
-        self._publish()
+        self.publish()
         self.loss_scaler.update(False)
         self.zero_grad()
         return True
@@ -373,8 +373,8 @@ class ZeroOptimizer:
         all_reduce(squares, group=self.dp_group)
         return squares.sqrt()
 
-    def _publish(self) -> None:
-        """Write the updated masters back into the model's buffer, on every rank."""
+    def publish(self) -> None:
+        """Write the masters back into the model's buffer, on every rank (after a step or a load)."""
         if self.stage == 0:
             if self.master_flat is not self.model_flat:
                 self.model_flat.copy_(self.master_flat)
@@ -445,6 +445,28 @@ class ZeroOptimizer:
         """Zero the gradient buffers (they stay allocated: parameters keep views into them)."""
         del set_to_none
         (self.grad_flat if self.grad_flat is not None else self.grad_shard).zero_()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def master_pieces(self) -> list[list[tuple[str, int, int, int]]]:
+        """For each master tensor, the parameter elements it holds, padding left out.
+
+        Each entry is (parameter name, first element in the flattened parameter, offset in the
+        master, length). Every optimizer state of a master's size maps the same way.
+        """
+        if self.stage == 0:
+            return [[(name, 0, 0, n)] for name, n in zip(self.param_names, self.layout.numels)]
+        pieces: list[list[tuple[str, int, int, int]]] = []
+        for s, e in self.shard_ranges:
+            own = []
+            for name, offset, numel in zip(
+                self.param_names, self.layout.offsets, self.layout.numels
+            ):
+                lo, hi = max(s, offset), min(e, offset + numel)
+                if lo < hi:
+                    own.append((name, lo - offset, lo - s, hi - lo))
+            pieces.append(own)
+        return pieces
 
     # -- accounting -------------------------------------------------------------------------------
 

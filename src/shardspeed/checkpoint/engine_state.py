@@ -1,0 +1,491 @@
+"""Save and load an engine's whole training state, at any world size and ZeRO stage.
+
+What is saved, as logical tensors named by parameter (so any layout can read them back):
+`param/<name>` (the fp32 master value of a trainable parameter; a frozen one in its own dtype),
+`optim/<state>/<name>` (each optimizer state of a parameter's size), `buffer/<name>`. Each rank
+writes the pieces it owns (its master shards at stages 1 to 3; rank 0 everything at stage 0) into
+its own file. The rest is JSON in the manifest: optimizer hyperparameters and per-group scalars
+(Adam's step), loss scaler, LR scheduler, engine counters, data loader position, every rank's RNG
+states, and `client_state` (its tensors go into rank 0's file).
+
+Loading reads, for each master tensor of the new layout, just the element ranges it holds, then
+publishes the masters into the model exactly as a step does. The model's 16-bit weights are not
+saved: they are always the masters cast, so casting again restores them bit for bit.
+
+A save writes into `<save_dir>/.<tag>.partial`, fsyncs every file, has rank 0 write the manifest and
+rename the directory into place, then replaces `latest`. A failure on any rank fails the save on
+every rank and removes the partial directory; the previous tag and `latest` are untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..comm import barrier, get_rank, get_world_size
+from .format import (
+    DTYPE_NAMES,
+    DTYPES,
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    ByteReader,
+    CheckpointError,
+    Piece,
+    StoredTensors,
+    TensorSource,
+    fsync_dir,
+    read_manifest,
+    write_json_atomic,
+    write_tensor_file,
+)
+from .values import all_gather_json, decode, encode
+
+logger = logging.getLogger("shardspeed")
+LATEST = "latest"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+# -- saving ---------------------------------------------------------------------------------------
+
+
+def save_engine(
+    engine: Any,
+    save_dir: str,
+    tag: str | None,
+    client_state: dict[str, Any],
+    save_latest: bool,
+    exclude_frozen_parameters: bool,
+) -> bool:
+    """`engine.save_checkpoint`: every rank calls it; True once the tag is in place everywhere."""
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    _validate_tag(tag, engine.config.checkpoint.tag_validation)
+    root = Path(save_dir)
+    partial = root / f".{tag}.partial"
+    rank = get_rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
+        partial.mkdir()
+    barrier()
+
+    report: dict[str, Any] = {"rank": rank, "error": None}
+    try:
+        tensors, report["tensors"], report["rank_state"] = _collect(
+            engine, client_state if rank == 0 else None, exclude_frozen_parameters
+        )
+        name = rank_file(rank)
+        info = write_tensor_file(partial / name, tensors)
+        report["file"] = {name: {k: v for k, v in info.items() if k != "tensors"}}
+        report["tensors"] = _place_pieces(report["tensors"], name, info["tensors"])
+        if rank == 0:
+            report["shared"] = report["rank_state"].pop("shared")
+    except Exception as err:  # reported to every rank, then raised everywhere
+        report["error"] = f"{type(err).__name__}: {err}"
+    reports = all_gather_json(report)
+    failed = [r for r in reports if r["error"]]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        barrier()
+        details = "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed)
+        raise CheckpointError(f"saving checkpoint '{tag}' to {root} failed ({details})")
+
+    outcome: dict[str, Any] = {"error": None}
+    if rank == 0:
+        try:
+            _publish_tag(
+                engine, root, partial, tag, reports, save_latest, exclude_frozen_parameters
+            )
+        except Exception as err:
+            shutil.rmtree(partial, ignore_errors=True)
+            outcome["error"] = f"{type(err).__name__}: {err}"
+    outcome = all_gather_json(outcome)[0]
+    if outcome["error"]:
+        raise CheckpointError(f"saving checkpoint '{tag}' to {root} failed ({outcome['error']})")
+    return True
+
+
+def _validate_tag(tag: str, mode: str) -> None:
+    if mode == "Ignore" or get_world_size() == 1:
+        return
+    tags = all_gather_json(tag)
+    if len(set(tags)) > 1:
+        message = f"checkpoint tags differ between ranks: {tags}"
+        if mode == "Fail":
+            raise CheckpointError(message + " (checkpoint.tag_validation is Fail)")
+        logger.warning(message)
+
+
+def _collect(
+    engine: Any, client_state: dict[str, Any] | None, exclude_frozen: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(tensors for this rank's file, logical tensors -> [(key, start, length)], JSON state)."""
+    zopt = engine.optimizer
+    tensors: dict[str, torch.Tensor] = {}
+    logical: dict[str, dict[str, Any]] = {}
+    rank, writes_replicated = get_rank(), get_rank() == 0
+
+    def add(name: str, key: str, value: torch.Tensor, start: int, length: int, shape) -> None:
+        entry = logical.setdefault(
+            name, {"shape": list(shape), "dtype": DTYPE_NAMES[value.dtype], "pieces": []}
+        )
+        entry["pieces"].append([key, start, length])
+
+    shapes = dict(zip(zopt.param_names, zopt.layout.shapes))
+    sharded = zopt.stage >= 1
+    if sharded or writes_replicated:
+        for k, (master, pieces) in enumerate(zip(zopt.masters, zopt.master_pieces())):
+            flat = master.detach().reshape(-1)
+            tensors[f"master.{k}"] = flat
+            state = zopt.optimizer.state.get(master, {})
+            sized = {n: v.reshape(-1) for n, v in state.items() if _per_element(v, master)}
+            for n, v in sized.items():
+                tensors[f"optim.{n}.{k}"] = v.detach()
+            for name, start, offset, length in pieces:
+                shape = shapes[name]
+                add(f"param/{name}", f"master.{k}", flat, start, length, shape)
+                logical[f"param/{name}"]["pieces"][-1].append(offset)
+                for n, v in sized.items():
+                    add(f"optim/{n}/{name}", f"optim.{n}.{k}", v, start, length, shape)
+                    logical[f"optim/{n}/{name}"]["pieces"][-1].append(offset)
+    if writes_replicated:
+        managed = set(zopt.param_names)
+        if not exclude_frozen:
+            for name, p in engine.module.named_parameters():
+                if name not in managed:
+                    key = f"frozen.{name}"
+                    tensors[key] = p.detach().reshape(-1)
+                    add(f"param/{name}", key, p, 0, p.numel(), p.shape)
+                    logical[f"param/{name}"]["pieces"][-1].append(0)
+        for name, b in engine.module.state_dict(keep_vars=True).items():
+            if name in dict(engine.module.named_parameters()) or not isinstance(b, torch.Tensor):
+                continue
+            key = f"buffer.{name}"
+            tensors[key] = b.detach().reshape(-1)
+            add(f"buffer/{name}", key, b, 0, b.numel(), b.shape)
+            logical[f"buffer/{name}"]["pieces"][-1].append(0)
+
+    rank_state: dict[str, Any] = {"rng": encode(_rng_state(), tensors, f"rng.{rank}.")}
+    if writes_replicated:
+        rank_state["shared"] = {
+            "optimizer": _optimizer_json(zopt, tensors),
+            "loss_scaler": encode(zopt.loss_scaler.state_dict(), tensors, "extra."),
+            "lr_scheduler": encode(
+                engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+                tensors,
+                "extra.",
+            ),
+            "counters": {
+                "global_steps": engine.global_steps,
+                "global_samples": engine.global_samples,
+                "micro_steps": engine.micro_steps,
+                "skipped_steps": engine.skipped_steps,
+                "_first_micro_step": engine._first_micro_step,
+            },
+            "data_loader": (
+                engine.training_dataloader.state_dict()
+                if engine.training_dataloader is not None
+                else None
+            ),
+            "client_state": encode(client_state or {}, tensors, "client.", "client_state"),
+        }
+    return tensors, logical, rank_state
+
+
+def _per_element(value: Any, master: torch.Tensor) -> bool:
+    """An optimizer state with one value per element of its master (Adam's moments, not its step)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape
+
+
+def _optimizer_json(zopt: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Hyperparameters and per-group scalar states (such as Adam's step) of the torch optimizer."""
+    groups = []
+    for group in zopt.optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        scalars: dict[str, Any] = {}
+        for master in group["params"]:
+            for n, v in zopt.optimizer.state.get(master, {}).items():
+                if not _per_element(v, master):
+                    scalars.setdefault(n, float(v) if isinstance(v, torch.Tensor) else v)
+        groups.append({"hyper": encode(hyper, tensors, "extra."), "scalars": scalars})
+    return {"type": type(zopt.optimizer).__name__, "groups": groups}
+
+
+def _place_pieces(
+    logical: dict[str, dict[str, Any]], file: str, offsets: dict[str, tuple[int, str]]
+) -> dict[str, dict[str, Any]]:
+    """Turn (key, start, length, element offset) into Pieces with absolute byte offsets."""
+    placed = {}
+    for name, entry in logical.items():
+        pieces = []
+        for key, start, length, element_offset in entry["pieces"]:
+            byte_offset, dtype = offsets[key]
+            size = _itemsize(dtype)
+            pieces.append(
+                Piece(file, byte_offset + element_offset * size, start, length, dtype).to_json()
+            )
+        placed[name] = {**entry, "pieces": pieces}
+    return placed
+
+
+def _itemsize(dtype: str) -> int:
+    return DTYPES[dtype].itemsize
+
+
+def _publish_tag(
+    engine: Any,
+    root: Path,
+    partial: Path,
+    tag: str,
+    reports: list[dict[str, Any]],
+    save_latest: bool,
+    exclude_frozen: bool,
+) -> None:
+    """Rank 0: write the manifest, move the tag into place, then point `latest` at it."""
+    tensors: dict[str, dict[str, Any]] = {}
+    files: dict[str, Any] = {}
+    for report in reports:
+        files.update(report["file"])
+        for name, entry in report["tensors"].items():
+            merged = tensors.setdefault(name, {**entry, "pieces": []})
+            merged["pieces"].extend(entry["pieces"])
+    zopt = engine.optimizer
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "tag": tag,
+        "written_by": {
+            "world_size": get_world_size(),
+            "dp_world_size": engine.dp_world_size,
+            "zero_stage": zopt.stage,
+            "model_dtype": DTYPE_NAMES[zopt.params[0].dtype],
+            "exclude_frozen_parameters": exclude_frozen,
+        },
+        "aliases": _aliases(engine.module),
+        "files": files,
+        "tensors": tensors,
+        "ranks": [r["rank_state"] for r in reports],
+        **reports[0]["shared"],
+    }
+    write_json_atomic(partial / MANIFEST, manifest)
+    fsync_dir(partial)
+    final, old = root / tag, root / f".{tag}.old"
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    partial.rename(final)
+    fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+    if save_latest:
+        tmp = root / f".{LATEST}.tmp"
+        tmp.write_text(tag)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        tmp.replace(root / LATEST)
+        fsync_dir(root)
+
+
+def _aliases(module: torch.nn.Module) -> dict[str, str]:
+    """Second names of shared parameters (a tied head), each mapped to the name that is saved."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy
+
+        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
+    except ImportError:
+        pass
+    return state
+
+
+# -- loading --------------------------------------------------------------------------------------
+
+
+def resolve_tag(load_dir: str, tag: str | None) -> Path | None:
+    root = Path(load_dir)
+    if tag is None:
+        latest = root / LATEST
+        if not latest.exists():
+            return None
+        tag = latest.read_text().strip()
+    path = root / str(tag)
+    if not (path / MANIFEST).exists():
+        raise CheckpointError(f"{path}: no checkpoint there (no {MANIFEST})")
+    return path
+
+
+def open_checkpoint(path: Path) -> tuple[dict[str, Any], TensorSource]:
+    manifest = read_manifest(path)
+    return manifest, TensorSource(ByteReader(path, manifest["files"]), manifest["tensors"])
+
+
+def load_engine(
+    engine: Any,
+    load_dir: str,
+    tag: str | None,
+    load_module_strict: bool,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """`engine.load_checkpoint`: every rank reads what its layout holds."""
+    path = resolve_tag(load_dir, tag)
+    if path is None:
+        logger.warning(f"no '{LATEST}' file in {load_dir}: nothing loaded")
+        return None, None
+    manifest, source = open_checkpoint(path)
+    if engine.config.checkpoint.load_universal:
+        logger.info("checkpoint.load_universal: every shardspeed checkpoint is universal already")
+    zopt = engine.optimizer
+    _check_names(engine, manifest, source, load_module_strict)
+
+    # Parameters: each master reads its element ranges; frozen parameters and buffers whole.
+    pieces = zopt.master_pieces()
+    for master, own in zip(zopt.masters, pieces):
+        flat = master.data.reshape(-1)
+        for name, start, offset, length in own:
+            if f"param/{name}" in source:
+                flat[offset : offset + length] = source.read(f"param/{name}", start, length)
+    managed = set(zopt.param_names)
+    with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            if name not in managed and f"param/{name}" in source:
+                p.copy_(source.read_whole(f"param/{name}"))
+        for name, b in engine.module.named_buffers():
+            if f"buffer/{name}" in source:
+                b.copy_(source.read_whole(f"buffer/{name}"))
+    zopt.publish()
+
+    stored = StoredTensors(source.reader)
+    read_extra = stored.get
+
+    if not load_module_only:
+        if load_optimizer_states:
+            _load_optimizer(zopt, manifest, source, pieces, read_extra)
+            zopt.loss_scaler.load_state_dict(decode(manifest["loss_scaler"], read_extra))
+        if (
+            load_lr_scheduler_states
+            and engine.lr_scheduler is not None
+            and manifest["lr_scheduler"]
+        ):
+            engine.lr_scheduler.load_state_dict(decode(manifest["lr_scheduler"], read_extra))
+        for key, value in manifest["counters"].items():
+            setattr(engine, key, value)
+        if engine.training_dataloader is not None and manifest["data_loader"] is not None:
+            engine.training_dataloader.load_state_dict(manifest["data_loader"])
+        rank = get_rank()
+        if rank < len(manifest["ranks"]):
+            _set_rng_state(decode(manifest["ranks"][rank]["rng"], read_extra))
+    barrier()
+    return str(path), decode(manifest["client_state"], read_extra)
+
+
+def _check_names(engine: Any, manifest: dict[str, Any], source: TensorSource, strict: bool) -> None:
+    saved = {n[len("param/") :] for n in source.names("param/")}
+    params = dict(engine.module.named_parameters())
+    model = set(params)
+    if manifest["written_by"]["exclude_frozen_parameters"]:
+        model = {n for n, p in params.items() if p.requires_grad}
+    missing, unexpected = sorted(model - saved), sorted(saved - model)
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"checkpoint {manifest['tag']} does not match the model (load_module_strict=True): "
+            f"missing {missing[:10]}, unexpected {unexpected[:10]}"
+        )
+    shapes = dict(zip(engine.optimizer.param_names, engine.optimizer.layout.shapes))
+    for name in model & saved:
+        shape = tuple(shapes.get(name, params[name].shape))
+        if shape != source.shape(f"param/{name}"):
+            raise CheckpointError(
+                f"checkpoint {manifest['tag']}: parameter '{name}' has shape "
+                f"{source.shape(f'param/{name}')} there and {shape} in the model"
+            )
+
+
+def _load_optimizer(
+    zopt: Any,
+    manifest: dict[str, Any],
+    source: TensorSource,
+    pieces: list[list[tuple[str, int, int, int]]],
+    read_extra: Any,
+) -> None:
+    saved = manifest["optimizer"]
+    groups = zopt.optimizer.param_groups
+    if len(saved["groups"]) != len(groups):
+        raise CheckpointError(
+            f"checkpoint {manifest['tag']} has {len(saved['groups'])} optimizer param groups, "
+            f"the optimizer {len(groups)}"
+        )
+    state_names = sorted({n.split("/")[1] for n in source.names("optim/")})
+    index = {id(m): i for i, m in enumerate(zopt.masters)}
+    state: dict[int, dict[str, Any]] = {}
+    flat_ids = []
+    for g, group in enumerate(groups):
+        scalars = saved["groups"][g]["scalars"]
+        for master in group["params"]:
+            k = index.get(id(master))
+            flat_ids.append(len(flat_ids))
+            if k is None:
+                continue
+            entry: dict[str, Any] = {
+                n: torch.tensor(v) if isinstance(v, float) else v for n, v in scalars.items()
+            }
+            for n in state_names:
+                values = torch.zeros(master.numel(), dtype=torch.float32)
+                for name, start, offset, length in pieces[k]:
+                    if f"optim/{n}/{name}" in source:
+                        values[offset : offset + length] = source.read(
+                            f"optim/{n}/{name}", start, length
+                        )
+                entry[n] = values.view(master.shape).to(master.device)
+            if entry:
+                state[flat_ids[-1]] = entry
+    param_groups = []
+    cursor = 0
+    for g, group in enumerate(groups):
+        hyper = decode(saved["groups"][g]["hyper"], read_extra)
+        for k, v in hyper.items():
+            if isinstance(group.get(k), tuple) and isinstance(v, list):
+                hyper[k] = tuple(v)
+        ids = list(range(cursor, cursor + len(group["params"])))
+        cursor += len(group["params"])
+        param_groups.append(
+            {**{k: v for k, v in group.items() if k != "params"}, **hyper, "params": ids}
+        )
+    zopt.optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].to(torch.uint8))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].to(torch.uint8))
+    if "numpy" in state:
+        import numpy
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        numpy.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
