@@ -295,8 +295,12 @@ BAD_CONFIGS = [
         "'pipeline' is a DeepSpeed key that shardspeed does not support yet (issue 7",
     ),
     (
-        {"checkpoint": {"tag_validation": "Fail"}},
-        "'checkpoint' is a DeepSpeed key that shardspeed does not support yet (issue 5",
+        {"checkpoint": {"tag_validation": "Fial"}},
+        "'checkpoint.tag_validation'",
+    ),
+    (
+        {"checkpoint": {"use_node_local_storage": True}},
+        "'checkpoint.use_node_local_storage' is a DeepSpeed key that shardspeed does not support",
     ),
     ({"tensorboard": {"enabled": True}}, "'tensorboard'"),
     ({"hybrid_engine": {"enabled": True}}, "(issue 10"),
