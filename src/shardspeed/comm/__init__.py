@@ -1,12 +1,14 @@
 """`shardspeed.comm` (DeepSpeed's `deepspeed.comm`): process groups and counted collectives."""
 
 from .comm import (
+    CollectiveError,
     ReduceOp,
     all_gather,
     all_gather_into_tensor,
     all_reduce,
     barrier,
     broadcast,
+    collective_sequence,
     comm_volume,
     default_backend,
     free_port,
@@ -22,6 +24,7 @@ from .comm import (
 from .topology import Topology
 
 __all__ = [
+    "CollectiveError",
     "ReduceOp",
     "Topology",
     "all_gather",
@@ -29,6 +32,7 @@ __all__ = [
     "all_reduce",
     "barrier",
     "broadcast",
+    "collective_sequence",
     "comm_volume",
     "default_backend",
     "free_port",

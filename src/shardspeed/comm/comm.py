@@ -1,14 +1,22 @@
-"""Process-group start-up and thin collective wrappers that count the bytes they move.
+"""Process-group start-up and thin collective wrappers that count the bytes they move and make a
+failed collective say which rank stopped where.
 
 Everything goes through torch.distributed (gloo on CPU, NCCL on CUDA). The wrappers exist so that
-every room reports its traffic the same way; they add nothing to the collective itself.
+every room reports its traffic the same way; on success they add only counters to the collective
+itself. Each wrapped collective takes this process's next sequence number. When one raises (or its
+work's `wait()` does), the rank publishes where it stopped to the default group's store, reads
+what its peers published for a few seconds, and raises `CollectiveError` saying both.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import time
+import traceback
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +30,15 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _bytes: Counter[str] = Counter()
 _calls: Counter[str] = Counter()
+# Collectives this process entered through the wrappers, in any group (the last one's number).
+_seq = 0
+
+_STALL_KEY = "shardspeed/stalled/{}"  # + global rank, in the default group's store
+_GRACE_S = 5.0  # longest wait for the peers' records (at most the group timeout)
+_SHOWN_PEERS = 8  # peers described one by one; the rest are summed up
+_HERE = os.path.abspath(__file__)
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(_HERE)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -98,7 +115,7 @@ def get_local_rank() -> int:
 
 def barrier(group: Any = None) -> None:
     if dist.is_initialized():
-        dist.barrier(group)
+        _run("barrier", group, False, dist.barrier)
 
 
 def _count(name: str, tensor: torch.Tensor) -> None:
@@ -120,23 +137,224 @@ def reset_comm_volume() -> None:
     _calls.clear()
 
 
+class CollectiveError(RuntimeError):
+    """A collective raised or timed out. The message says where this rank stopped (rank, operation,
+    sequence number, caller) and what the other ranks of the group reported about themselves."""
+
+    __module__ = "shardspeed.comm"  # where users import it from
+
+
+def collective_sequence() -> int:
+    """How many collectives this process has entered through these wrappers (the last one's number)."""
+    return _seq
+
+
+def _run(
+    name: str, group: Any, async_op: bool, call: Callable[..., Any], /, *args: Any, **kwargs: Any
+) -> Any:
+    # The hot path: an int increment and, for async work, a small wrapper. No host sync, no store
+    # traffic, no stack capture unless the collective fails.
+    global _seq
+    _seq += 1
+    seq = _seq
+    try:
+        work = call(*args, group=group, async_op=async_op, **kwargs)
+    except RuntimeError as exc:  # gloo / NCCL failures and timeouts are RuntimeErrors
+        raise _collective_error(name, seq, group, exc, None) from exc
+    if async_op and work is not None:
+        return _CheckedWork(work, name, seq, group)
+    return work
+
+
+class _CheckedWork:
+    """The Work of an async collective whose `wait()` raises `CollectiveError`; the rest of the
+    Work API is delegated (`.work` is the real object, for APIs that need it)."""
+
+    __slots__ = ("_group", "_op", "_seq", "work")
+
+    def __init__(self, work: Any, op: str, seq: int, group: Any) -> None:
+        self.work, self._op, self._seq, self._group = work, op, seq, group
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        try:
+            return self.work.wait(*args, **kwargs)
+        except RuntimeError as exc:
+            waited = time.monotonic() - start
+            raise _collective_error(self._op, self._seq, self._group, exc, waited) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+def _short(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return path
+    return path if rel.startswith("..") else rel
+
+
+def _caller_frames(limit: int = 3) -> list[str]:
+    """The innermost `limit` frames outside this file and torch, innermost first, then the innermost
+    frame outside shardspeed (the user's call) when those do not reach it."""
+    frames, user = [], None
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if path == _HERE or path.startswith(_TORCH_DIR):
+            continue
+        text = f"{_short(path)}:{frame.lineno} in {frame.name}"
+        if len(frames) < limit:
+            frames.append(text)
+        if user is None and not path.startswith(_PACKAGE_DIR):
+            user = text
+        if len(frames) >= limit and user is not None:
+            break
+    if user is not None and user not in frames:
+        frames.append(user)
+    return frames
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _group_timeout() -> float | None:
+    # init_process_group gives the default store the group's timeout; subgroups usually share it.
+    try:
+        return dist.distributed_c10d._get_default_store().timeout.total_seconds()
+    except Exception:
+        return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    """[1, 2, 3, 5] -> 'ranks 1-3, 5'."""
+    spans: list[list[int]] = []
+    for r in sorted(ranks):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def _exchange(
+    record: dict[str, Any], peers: list[int], grace: float, max_age: float
+) -> tuple[dict[int, dict[str, Any]], str | None]:
+    """Publish this rank's record, then collect the peers' for up to `grace` seconds.
+
+    Returns the records found, by rank, and what went wrong with the store, if anything. The store
+    is private torch API and its host may be gone, so any failure only ends the exchange early.
+    """
+    found: dict[int, dict[str, Any]] = {}
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        try:  # an own connection with a short timeout; the group's store stays as it was
+            store = store.clone()
+            store.set_timeout(datetime.timedelta(seconds=grace + 1))
+        except Exception:
+            pass
+        store.set(_STALL_KEY.format(record["rank"]), json.dumps(record))
+        deadline = time.monotonic() + grace
+        pause = 0.05 * max(1.0, len(peers) / 16)  # keeps a large group from flooding the store
+        while True:
+            for peer in peers:
+                key = _STALL_KEY.format(peer)
+                # check() does not block, and get() of a present key returns at once.
+                if peer not in found and store.check([key]):
+                    theirs = json.loads(store.get(key))
+                    if time.time() - theirs["time"] <= max_age:  # not left from an older failure
+                        found[peer] = theirs
+            if len(found) == len(peers) or time.monotonic() >= deadline:
+                return found, None
+            time.sleep(pause)
+    except Exception as exc:
+        return found, f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def _collective_error(
+    op: str, seq: int, group: Any, exc: BaseException, waited: float | None
+) -> CollectiveError:
+    """Build the error for this rank's failed collective #`seq`, after trading records with peers."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        members = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+    except Exception:
+        members = [rank]
+    peers = [r for r in members if r != rank]
+    frames = _caller_frames()
+    where = frames[0] if frames else "an unknown place"
+    timeout = _group_timeout()
+    size = f"{len(members)} rank" + ("s" if len(members) != 1 else "")
+    lines = [f"rank {rank} stopped in {op} #{seq} at {where} (group of {size})"]
+    if len(frames) > 1:
+        lines.append("called from " + " <- ".join(frames[1:]))
+    limit = f"group timeout {timeout:g} s" if timeout is not None else "group timeout unknown"
+    lines.append(f"waited {waited:.1f} s ({limit})" if waited is not None else limit)
+    lines.append(f"error: {_first_line(exc)}")
+    if peers:
+        grace = min(_GRACE_S, timeout) if timeout else _GRACE_S
+        record = {"rank": rank, "op": op, "seq": seq, "where": where, "time": time.time()}
+        max_age = (timeout or 1800.0) + grace + 10.0
+        found, problem = _exchange(record, peers, grace, max_age)
+        lines += _peer_lines(op, seq, peers, found, grace, problem)
+    return CollectiveError("\n  ".join(lines))
+
+
+def _peer_lines(
+    op: str,
+    seq: int,
+    peers: list[int],
+    found: dict[int, dict[str, Any]],
+    grace: float,
+    problem: str | None,
+) -> list[str]:
+    lines = []
+    # Peers in another collective first: they are the ones that explain a mismatch.
+    order = sorted(found, key=lambda p: ((found[p]["op"], found[p]["seq"]) == (op, seq), p))
+    for i, peer in enumerate(order):
+        if i == _SHOWN_PEERS:
+            lines.append(f"{len(found) - i} more peers reported")
+            break
+        theirs = found[peer]
+        lines.append(f"rank {peer} stopped in {theirs['op']} #{theirs['seq']} at {theirs['where']}")
+        if (theirs["op"], theirs["seq"]) != (op, seq):
+            lines.append(
+                f"rank {peer} is in {theirs['op']} #{theirs['seq']} while this rank is in "
+                f"{op} #{seq}: the ranks called collectives in different orders"
+            )
+    silent = [r for r in peers if r not in found]
+    if silent and problem is not None:
+        lines.append(f"{_ranks(silent)} unknown: the default store could not be used ({problem})")
+    elif silent:
+        they, are = ("it", "is") if len(silent) == 1 else ("they", "are")
+        lines.append(
+            f"{_ranks(silent)} did not report within {grace:g} s: {they} {are} not inside a "
+            f"shardspeed collective ({they} raised, exited, {are} stuck in compute, or skipped "
+            "the collective this rank waits in)"
+        )
+    return lines
+
+
 def all_reduce(
     tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> Any:
     _count("all_reduce", tensor)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _run("all_reduce", group, async_op, dist.all_reduce, tensor, op=op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
     _count("broadcast", tensor)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _run("broadcast", group, async_op, dist.broadcast, tensor, src=src)
 
 
 def all_gather_into_tensor(
     output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> Any:
     _count("all_gather", output)
-    return _all_gather_single(output, tensor, group=group, async_op=async_op)
+    return _run("all_gather_into_tensor", group, async_op, _all_gather_single, output, tensor)
 
 
 def reduce_scatter_tensor(
@@ -147,7 +365,9 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> Any:
     _count("reduce_scatter", tensor)
-    return _reduce_scatter_single(output, tensor, op=op, group=group, async_op=async_op)
+    return _run(
+        "reduce_scatter_tensor", group, async_op, _reduce_scatter_single, output, tensor, op=op
+    )
 
 
 def reduce(
@@ -158,7 +378,7 @@ def reduce(
     async_op: bool = False,
 ) -> Any:
     _count("reduce", tensor)
-    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+    return _run("reduce", group, async_op, dist.reduce, tensor, dst=dst, op=op)
 
 
 def all_gather(
@@ -167,4 +387,4 @@ def all_gather(
     for output in outputs:
         _bytes["all_gather"] += output.numel() * output.element_size()
     _calls["all_gather"] += 1
-    return dist.all_gather(outputs, tensor, group=group, async_op=async_op)
+    return _run("all_gather", group, async_op, dist.all_gather, outputs, tensor)
