@@ -85,6 +85,7 @@ _LAZY = {
     "ShardSpeedConfig": "shardspeed.config",
 }
 _SUBMODULES = (
+    "checkpoint",
     "comm",
     "compat",
     "config",

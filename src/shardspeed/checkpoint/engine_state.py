@@ -360,24 +360,13 @@ def load_engine(
     if engine.config.checkpoint.load_universal:
         logger.info("checkpoint.load_universal: every shardspeed checkpoint is universal already")
     zopt = engine.optimizer
-    _check_names(engine, manifest, source, load_module_strict)
-
-    # Parameters: each master reads its element ranges; frozen parameters and buffers whole.
-    pieces = zopt.master_pieces()
-    for master, own in zip(zopt.masters, pieces):
-        flat = master.data.reshape(-1)
-        for name, start, offset, length in own:
-            if f"param/{name}" in source:
-                flat[offset : offset + length] = source.read(f"param/{name}", start, length)
-    managed = set(zopt.param_names)
-    with torch.no_grad():
-        for name, p in engine.module.named_parameters():
-            if name not in managed and f"param/{name}" in source:
-                p.copy_(source.read_whole(f"param/{name}"))
-        for name, b in engine.module.named_buffers():
-            if f"buffer/{name}" in source:
-                b.copy_(source.read_whole(f"buffer/{name}"))
-    zopt.publish()
+    pieces = load_parameters(
+        engine,
+        source,
+        load_module_strict,
+        f"checkpoint {manifest['tag']}",
+        manifest["written_by"]["exclude_frozen_parameters"],
+    )
 
     stored = StoredTensors(source.reader)
     read_extra = stored.get
@@ -403,16 +392,45 @@ def load_engine(
     return str(path), decode(manifest["client_state"], read_extra)
 
 
-def _check_names(engine: Any, manifest: dict[str, Any], source: TensorSource, strict: bool) -> None:
+def load_parameters(
+    engine: Any, source: TensorSource, strict: bool, label: str, exclude_frozen: bool = False
+) -> list[list[tuple[str, int, int, int]]]:
+    """Read `param/<name>` and `buffer/<name>` from `source` into the engine's model, each rank only
+    the element ranges its master tensors hold; returns those ranges (`master_pieces`)."""
+    zopt = engine.optimizer
+    _check_names(engine, source, strict, label, exclude_frozen)
+    pieces = zopt.master_pieces()
+    with torch.no_grad():
+        for master, own in zip(zopt.masters, pieces):
+            flat = master.data.reshape(-1)
+            for name, start, offset, length in own:
+                if f"param/{name}" in source:
+                    flat[offset : offset + length] = source.read(f"param/{name}", start, length)
+        managed = set(zopt.param_names)
+        for name, p in engine.module.named_parameters():
+            if name not in managed and f"param/{name}" in source:
+                p.copy_(source.read_whole(f"param/{name}"))
+        for name, b in engine.module.named_buffers():
+            if f"buffer/{name}" in source:
+                b.copy_(source.read_whole(f"buffer/{name}"))
+    zopt.publish()
+    return pieces
+
+
+def _check_names(
+    engine: Any, source: TensorSource, strict: bool, label: str, exclude_frozen: bool
+) -> None:
     saved = {n[len("param/") :] for n in source.names("param/")}
     params = dict(engine.module.named_parameters())
     model = set(params)
-    if manifest["written_by"]["exclude_frozen_parameters"]:
+    if exclude_frozen:
         model = {n for n, p in params.items() if p.requires_grad}
-    missing, unexpected = sorted(model - saved), sorted(saved - model)
+    # Second names of shared parameters and buffers may be present without being parameters.
+    known = model | set(_aliases(engine.module)) | {n for n, _ in engine.module.named_buffers()}
+    missing, unexpected = sorted(model - saved), sorted(saved - known)
     if strict and (missing or unexpected):
         raise CheckpointError(
-            f"checkpoint {manifest['tag']} does not match the model (load_module_strict=True): "
+            f"{label} does not match the model (strict loading): "
             f"missing {missing[:10]}, unexpected {unexpected[:10]}"
         )
     shapes = dict(zip(engine.optimizer.param_names, engine.optimizer.layout.shapes))
@@ -420,8 +438,8 @@ def _check_names(engine: Any, manifest: dict[str, Any], source: TensorSource, st
         shape = tuple(shapes.get(name, params[name].shape))
         if shape != source.shape(f"param/{name}"):
             raise CheckpointError(
-                f"checkpoint {manifest['tag']}: parameter '{name}' has shape "
-                f"{source.shape(f'param/{name}')} there and {shape} in the model"
+                f"{label}: parameter '{name}' has shape {source.shape(f'param/{name}')} there "
+                f"and {shape} in the model"
             )
 
 

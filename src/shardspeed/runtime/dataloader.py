@@ -80,7 +80,9 @@ class DistributedDataLoader:
         self._batches: Iterator[Any] | None = None
         self._passes = 0
         self._consumed = 0  # micro-batches taken from the current pass
-        self._resume_at: int | None = None  # a loaded position: samples of this rank's share to skip
+        self._resume_at: int | None = (
+            None  # a loaded position: samples of this rank's share to skip
+        )
         # Counted from the sampler, which already holds only this rank's (padded) share.
         if drop_last:
             self.len = len(sampler) // batch_size
