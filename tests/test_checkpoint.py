@@ -173,7 +173,12 @@ def test_failed_save_on_one_rank_fails_everywhere_and_keeps_latest(pool2, tmp_pa
     # Rank 0 writes client_state and fails on it; rank 1 wrote its file fine and fails too.
     with pytest.raises(RankFailure, match=r"failed on ranks \[0, 1\]") as failure:
         pool2.run(_save_with_bad_client_state, str(tmp_path))
-    assert str(failure.value).count("rank 0: CheckpointError: client_state['bad'] is a object: checkpoints hold JSON") == 2
+    assert (
+        str(failure.value).count(
+            "rank 0: CheckpointError: client_state['bad'] is a object: checkpoints hold JSON"
+        )
+        == 2
+    )
     assert (tmp_path / "latest").read_text() == "global_step1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "latest"]
 

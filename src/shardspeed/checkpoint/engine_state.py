@@ -167,8 +167,10 @@ def _collect(
                     tensors[key] = p.detach().reshape(-1)
                     add(f"param/{name}", key, p, 0, p.numel(), p.shape)
                     logical[f"param/{name}"]["pieces"][-1].append(0)
+        # Persistent buffers: the state dict less every parameter name, second names of tied ones too.
+        param_names = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
         for name, b in engine.module.state_dict(keep_vars=True).items():
-            if name in dict(engine.module.named_parameters()) or not isinstance(b, torch.Tensor):
+            if name in param_names or not isinstance(b, torch.Tensor):
                 continue
             key = f"buffer.{name}"
             tensors[key] = b.detach().reshape(-1)
