@@ -169,6 +169,11 @@ class ByteReader:
             self._sizes_checked.add(name)
         chunk = info["chunk_bytes"]
         first, last = offset // chunk, (offset + length - 1) // chunk
+        if all((name, i) in self._checked for i in range(first, last + 1)):
+            # Blocks are checked once, when first read whole; later reads take just their bytes.
+            with open(path, "rb") as f:
+                f.seek(offset)
+                return f.read(length)
         with open(path, "rb") as f:
             f.seek(first * chunk)
             blocks = f.read((last - first + 1) * chunk)
