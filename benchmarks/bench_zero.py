@@ -383,7 +383,7 @@ def worker(args) -> None:
             settings = (
                 f"{type(zopt.optimizer).__name__}(fused={zopt.optimizer.defaults.get('fused')}), "
                 f"gradients in {zopt.grad_dtype}, reduced in "
-                f"{red.comm_dtype} with {red.collective}, {red.num_buckets} bucket(s), "
+                f"{red.comm_dtype} with {red.collective}, {len(red._buckets)} bucket(s), "
                 f"overlap {red.overlap}"
             )
             sp = getattr(zopt, "sharded_params", None)
@@ -394,12 +394,10 @@ def worker(args) -> None:
                     f"; {len(sp.units)} units ({len(gathered)} gathered on use, parameters per "
                     f"unit {gathered}), persistent: {len(persistent)} parameters, "
                     f"{sum(sp.layout.numels[sp.index[p]] for p in persistent):,} elements, "
-                    + (
-                        f"prefetch of the next unit when it holds <= {sp.prefetch_elements:.0e} "
-                        "elements"
-                        if hasattr(sp, "prefetch_elements")
-                        else "no prefetch"
-                    )
+                    + f"prefetch of the next unit when it holds <= "
+                    f"{sp.options.prefetch_elements:.0e} elements, max live "
+                    f"{sp.options.max_live_elements:.0e}, reuse distance "
+                    f"{sp.options.max_reuse_distance:.0e}"
                 )
         else:
             settings = (
