@@ -216,3 +216,43 @@ def test_manifest_lists_every_tensor_with_its_pieces(tmp_path):
         entry = manifest["tensors"][f"param/{name}"]
         assert entry["shape"] == list(p.shape)
         assert sum(piece[3] for piece in entry["pieces"]) == p.numel()
+
+
+def save_with_rank_tags(save_dir: str, mode: str) -> str:
+    model = make_model()
+    engine, *_ = shardspeed.initialize(
+        model=model, config=config(4, checkpoint={"tag_validation": mode})
+    )
+    try:
+        engine.save_checkpoint(save_dir, tag=f"tag{engine.global_rank}")
+    except CheckpointError as err:
+        return str(err)
+    return "saved"
+
+
+def test_tag_validation_fail_refuses_different_tags(pool2, tmp_path):
+    for message in pool2.run(save_with_rank_tags, str(tmp_path), "Fail"):
+        assert "checkpoint tags differ between ranks: ['tag0', 'tag1']" in message
+    assert not (tmp_path / "latest").exists()
+    # Otherwise every rank writes under rank 0's tag (DeepSpeed would write two broken halves).
+    assert pool2.run(save_with_rank_tags, str(tmp_path), "ignore") == ["saved", "saved"]
+    assert (tmp_path / "latest").read_text() == "tag0"
+
+
+def load_module_only(load_dir: str) -> dict:
+    model = make_model()
+    engine, *_ = shardspeed.initialize(model=model, config=config(8))
+    engine.load_checkpoint(load_dir, load_module_only=True)
+    return {
+        "steps": engine.global_steps,
+        "optimizer_state": len(engine.optimizer.state),
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def test_load_module_only_leaves_optimizer_and_counters(tmp_path):
+    trained = session(stage_keys(0, "fp32"), 8, 2, str(tmp_path))
+    result = load_module_only(str(tmp_path))
+    assert result["steps"] == 0 and result["optimizer_state"] == 0
+    for a, b in zip(result["params"], trained["params"]):
+        assert torch.equal(a, b)

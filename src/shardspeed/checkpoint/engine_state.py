@@ -68,7 +68,7 @@ def save_engine(
 ) -> bool:
     """`engine.save_checkpoint`: every rank calls it; True once the tag is in place everywhere."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    _validate_tag(tag, engine.config.checkpoint.tag_validation)
+    tag = _agreed_tag(tag, engine.config.checkpoint.tag_validation)
     root = Path(save_dir)
     partial = root / f".{tag}.partial"
     rank = get_rank()
@@ -115,15 +115,15 @@ def save_engine(
     return True
 
 
-def _validate_tag(tag: str, mode: str) -> None:
-    if mode == "Ignore" or get_world_size() == 1:
-        return
+def _agreed_tag(tag: str, mode: str) -> str:
+    """Rank 0's tag, which every rank writes under; `tag_validation` says what a difference does."""
     tags = all_gather_json(tag)
-    if len(set(tags)) > 1:
+    if len(set(tags)) > 1 and mode != "Ignore":
         message = f"checkpoint tags differ between ranks: {tags}"
         if mode == "Fail":
             raise CheckpointError(message + " (checkpoint.tag_validation is Fail)")
-        logger.warning(message)
+        logger.warning(f"{message}; saving under rank 0's tag '{tags[0]}'")
+    return tags[0]
 
 
 def _collect(
