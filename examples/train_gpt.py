@@ -6,6 +6,10 @@ Written the way DeepSpeed's tutorials write a training script; only the import d
     python examples/train_gpt.py                      # one process, same config
 
 The text is Python's own standard-library docstrings unless `--data FILE` names a text file.
+
+It saves a checkpoint to `<out>/checkpoints` every `--checkpoint-every` steps (and after the last
+one), keeping the newest two. `--resume` continues from the newest after a crash, on any number of
+processes; a worker restarted by the launcher's `--max_restarts` resumes without being asked.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import argparse
 import json
 import math
 import os
+import re
+import shutil
 import socket
 import sys
 import time
@@ -33,6 +39,7 @@ from gpt import GPT, GPTConfig
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "ds_config.json"
 DEFAULT_STEPS = 700  # must match scheduler.params.total_num_steps in ds_config.json
+KEEP_CHECKPOINTS = 2  # older ones are deleted once a newer one is in place
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,6 +52,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt", type=str, default="def ", help="start of the generated sample")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in <out>/checkpoints, if there is one",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        "--checkpoint_every",
+        dest="checkpoint_every",
+        type=int,
+        default=100,
+        help="save a checkpoint every K optimizer steps (0: only after the last step)",
+    )
     # Model size (the defaults fit the 2-process CPU demo in under 3 minutes).
     parser.add_argument("--n_layer", type=int, default=4)
     parser.add_argument("--n_head", type=int, default=4)
@@ -54,6 +74,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.checkpoint_every < 0:
+        parser.error("--checkpoint-every must be at least 0")
     return args
 
 
@@ -73,6 +95,18 @@ def single_process_defaults() -> None:
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+def restart_count() -> int:
+    """How many times the launcher (torchrun) has restarted this job's workers: 0 on the first run."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def prune_checkpoints(directory: Path, keep: list[str]) -> None:
+    """Rank 0: delete every `global_step<N>` checkpoint in `directory` but those in `keep`."""
+    for path in directory.iterdir():
+        if re.fullmatch(r"global_step\d+", path.name) and path.name not in keep:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def schedule_steps(config_path: str) -> int | None:
@@ -119,9 +153,34 @@ def main() -> None:
             flush=True,
         )
 
+    # Resume: load_checkpoint restores weights, optimizer, lr schedule, step counters, the data
+    # loader's place and the RNG; it returns (None, None) when there is no checkpoint yet.
+    ckpt_dir = out / "checkpoints"
+    losses: list[float] = []  # rank 0's loss at each optimizer step (kept in the checkpoints)
+    saved: list[str] = []  # checkpoints of this run, oldest first
+    if args.resume or restart_count() > 0:
+        path, client_state = engine.load_checkpoint(str(ckpt_dir))
+        if path is not None:
+            losses = list(client_state.get("losses", []))
+            saved.append(Path(path).name)
+        if rank == 0:
+            if path is None:
+                print(f"no checkpoint in {ckpt_dir} yet: starting from step 0", flush=True)
+            else:
+                print(f"resumed from {path} at step {engine.global_steps}", flush=True)
+    elif rank == 0 and (ckpt_dir / "latest").exists():
+        latest = (ckpt_dir / "latest").read_text().strip()
+        print(f"starting from step 0 (--resume would continue from {ckpt_dir / latest})")
+
     engine.train()
-    losses: list[float] = []  # rank 0's loss at each optimizer step
-    bar = tqdm(total=args.steps, desc="train", unit="step", disable=rank != 0, mininterval=0.5)
+    bar = tqdm(
+        total=args.steps,
+        initial=min(engine.global_steps, args.steps),
+        desc="train",
+        unit="step",
+        disable=rank != 0,
+        mininterval=0.5,
+    )
     tokens = 0
     smooth = None
     t0 = time.perf_counter()
@@ -144,6 +203,13 @@ def main() -> None:
             bar.update(engine.global_steps - before)
             if engine.global_steps >= args.steps:
                 done = True
+            step = engine.global_steps
+            if done or (args.checkpoint_every and step % args.checkpoint_every == 0):
+                engine.save_checkpoint(str(ckpt_dir), client_state={"losses": losses})
+                saved.append(f"global_step{step}")
+                if rank == 0:
+                    prune_checkpoints(ckpt_dir, saved[-KEEP_CHECKPOINTS:])
+            if done:
                 break
     bar.close()
     elapsed = time.perf_counter() - t0
@@ -158,16 +224,16 @@ def main() -> None:
     if rank != 0:
         return
 
-    k = min(20, len(losses))
-    start, end = losses[0], sum(losses[-k:]) / k
-    print(
-        f"trained {len(losses)} steps in {elapsed:.1f}s ({tokens / elapsed:,.0f} tokens/s); "
-        f"saved {out / 'model.safetensors'}"
-    )
-    print(
-        f"start loss {start:.3f} (ln 256 = {math.log(256):.3f}), end loss {end:.3f} "
-        f"(mean of last {k} steps)"
-    )
+    trained = bar.n - bar.initial
+    rate = f" ({tokens / elapsed:,.0f} tokens/s)" if trained else ""
+    print(f"trained {trained} steps in {elapsed:.1f}s{rate}; saved {out / 'model.safetensors'}")
+    if losses:
+        k = min(20, len(losses))
+        start, end = losses[0], sum(losses[-k:]) / k
+        print(
+            f"start loss {start:.3f} (ln 256 = {math.log(256):.3f}), end loss {end:.3f} "
+            f"(mean of last {k} steps)"
+        )
 
     # Reload from the files just written, as a user of the trained model would.
     cfg = GPTConfig.from_dict(json.loads((out / "config.json").read_text()))

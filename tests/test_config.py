@@ -147,8 +147,8 @@ def test_deprecated_zero_spellings_warn_and_map(caplog):
     assert "'zero_optimization.cpu_offload' is deprecated" in caplog.text
     assert "use 'zero_optimization.stage3_prefetch_bucket_size'" in caplog.text
     assert "use 'zero_optimization.stage3_gather_16bit_weights_on_model_save'" in caplog.text
-    # Offload is a later issue's work, so it is refused by its modern name.
-    assert "'zero_optimization.offload_optimizer' is a DeepSpeed key" in str(err.value)
+    # The old flag maps to the modern block, which is then checked by its modern name.
+    assert "'zero_optimization.offload_optimizer.device' is a DeepSpeed key" in str(err.value)
     zero = load(
         {
             "zero_optimization": {
@@ -161,10 +161,8 @@ def test_deprecated_zero_spellings_warn_and_map(caplog):
     assert zero.stage3_prefetch_bucket_size == 1000
     assert zero.stage3_gather_16bit_weights_on_model_save is True
     # A disabled deprecated flag maps to nothing and is accepted.
-    assert (
-        load({"zero_optimization": {"cpu_offload": False}}).zero_optimization.offload_optimizer
-        is None
-    )
+    zero = load({"zero_optimization": {"cpu_offload": False}}).zero_optimization
+    assert zero.offload_optimizer.device == "none"
 
 
 def test_disabled_later_section_is_accepted():
@@ -293,6 +291,15 @@ BAD_CONFIGS = [
     (
         {"pipeline": {"stages": 2}},
         "'pipeline' is a DeepSpeed key that shardspeed does not support yet (issue 7",
+    ),
+    (
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+        "'device' nvme needs 'nvme_path'",
+    ),
+    ({"aio": {"block_size": 4096}}, "'aio' only acts with an offload 'device' nvme"),
+    (
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+        "'zero_optimization.offload_param.device' is a DeepSpeed key",
     ),
     (
         {"checkpoint": {"tag_validation": "Fial"}},

@@ -1,8 +1,11 @@
-"""Fast checks of the demo's model (examples/gpt.py) and corpus (examples/corpus.py)."""
+"""Fast checks of the demo's model (examples/gpt.py) and corpus (examples/corpus.py), and that its
+training script (examples/train_gpt.py) resumes from its checkpoints."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -151,3 +154,43 @@ def test_dataset_on_corpus_is_deterministic(stdlib_bytes):
 def test_dataset_refuses_tiny_corpus():
     with pytest.raises(ValueError):
         ByteDataset(b"abc", block_size=8)
+
+
+def _train(tmp_path: Path, out: str, *args: str) -> str:
+    """A tiny one-process run of the demo script; returns its output."""
+    text = tmp_path / "text.txt"
+    if not text.exists():
+        text.write_bytes(bytes(range(32, 127)) * 200)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    tiny = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "32"]
+    command = [sys.executable, str(EXAMPLES / "train_gpt.py"), "--data", str(text)]
+    command += ["--out", str(tmp_path / out), "--threads", "1", "--sample_tokens", "8", *tiny]
+    proc = subprocess.run(
+        [*command, *args], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_demo_resumes_from_its_checkpoints(tmp_path):
+    from safetensors.torch import load_file
+
+    _train(tmp_path, "straight", "--steps", "7")
+    first = _train(tmp_path, "resumed", "--steps", "5", "--checkpoint-every", "2")
+    assert "resumed from" not in first
+    ckpt = tmp_path / "resumed" / "checkpoints"
+    # Saved at steps 2, 4 and 5 (the last); the newest two are kept.
+    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step4", "global_step5", "latest"]
+
+    again = _train(tmp_path, "resumed", "--steps", "7", "--checkpoint-every", "2", "--resume")
+    assert f"resumed from {ckpt / 'global_step5'} at step 5" in again
+    assert "trained 2 steps" in again
+    assert (ckpt / "latest").read_text() == "global_step7"
+    straight = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    resumed = load_file(str(tmp_path / "resumed" / "model.safetensors"))
+    for name, value in straight.items():
+        assert torch.equal(resumed[name], value), name
+
+    # Without --resume the script starts over, and says what it could have resumed.
+    fresh = _train(tmp_path, "resumed", "--steps", "1")
+    assert "starting from step 0 (--resume would continue from" in fresh

@@ -94,6 +94,23 @@ def init_distributed(
         kwargs["world_size"] = world_size
     if backend == "nccl":
         torch.cuda.set_device(get_local_rank())
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's static rendezvous hands every restart the store of the first attempt, keys and
+        # all, and the process group reuses its key names: a restarted rank could read the address
+        # of a rank that died and fail to connect, or hang. A prefix per attempt keeps them apart.
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timeout,
+        )
+        kwargs.pop("init_method", None)
+        kwargs.update(
+            store=dist.PrefixStore(f"attempt{restart}", store),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
     dist.init_process_group(**kwargs)
 
 

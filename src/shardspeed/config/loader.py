@@ -51,6 +51,8 @@ STAGE_ONLY_KEYS = {
     "zero_optimization.stage3_max_live_parameters": {3},
     "zero_optimization.stage3_max_reuse_distance": {3},
     "zero_optimization.leaf_module": {3},
+    "zero_optimization.offload_optimizer": {1, 2, 3},
+    "zero_optimization.offload_param": {3},
 }
 STAGE3_UNPREFIXED = (
     "prefetch_bucket_size",
@@ -194,6 +196,8 @@ def _section_type(annotation: Any) -> type[StrictModel] | None:
 def _rewrite_deprecated(raw: dict[str, Any], problems: list[str]) -> None:
     """Accept DeepSpeed's old spellings that real configs still use, each with a one-line warning."""
     _rename(raw, (), "bfloat16", "bf16", problems)
+    if isinstance(raw.get("aio"), dict):
+        _rename(raw["aio"], ("aio",), "thread_count", "intra_op_parallelism", problems)
     zero = raw.get("zero_optimization")
     if not isinstance(zero, dict):
         return
@@ -338,10 +342,22 @@ def _cross_section(config: ShardSpeedConfig) -> list[str]:
         value = getattr(section, name)
         default = type(section).model_fields[name].get_default(call_default_factory=True)
         if stage not in stages and value != default:
+            shown = (
+                value.model_dump(exclude_defaults=True) if hasattr(value, "model_dump") else value
+            )
             problems.append(
                 f"'{path}' only acts at ZeRO stage {' or '.join(map(str, sorted(stages)))}; at "
-                f"stage {stage} it would be ignored: remove it (got {value!r})"
+                f"stage {stage} it would be ignored: remove it (got {shown!r})"
             )
+    nvme = "nvme" in (
+        config.zero_optimization.offload_optimizer.device,
+        config.zero_optimization.offload_param.device,
+    )
+    if not nvme and config.aio != type(config.aio)():
+        problems.append(
+            "'aio' only acts with an offload 'device' nvme; without one it would be ignored: "
+            f"remove it (got {config.aio.model_dump(exclude_defaults=True)!r})"
+        )
     lamb = (
         config.optimizer is not None and canonical_optimizer_name(config.optimizer.type) == "Lamb"
     )

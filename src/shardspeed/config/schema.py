@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import NonNegativeInt, PositiveInt, StrictModel
 
@@ -79,6 +79,78 @@ class BF16Config(StrictModel):
                 "error on a non-finite gradient, or set true to skip such steps"
             )
         return value
+
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class OffloadOptimizerConfig(StrictModel):
+    """`zero_optimization.offload_optimizer`: where the optimizer states live (stages 1 to 3).
+
+    `cpu`: fp32 masters, optimizer states and the step in (pinned) CPU memory. `nvme`: the
+    optimizer states in files under `nvme_path`, stepped in `sub_group_size` pieces;
+    `pipeline_read` / `pipeline_write` overlap reading the next piece and writing the last one
+    with the step, `buffer_count` pieces may be in memory at once.
+    """
+
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None
+    buffer_count: PositiveInt = 4
+    pin_memory: bool = True
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: float = Field(1.0, ge=0.0, le=1.0)
+    super_offload: bool = False
+    cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "device": ISSUE_OFFLOAD,
+        "fast_init": "shardspeed never writes initial optimizer states, so there is nothing to skip",
+        "ratio": f"{ISSUE_OFFLOAD}: partial offload",
+        "super_offload": NOT_PLANNED,
+        "cpuadam_cores_perc": "the CPU step uses torch's threads (torch.set_num_threads)",
+    }
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> OffloadOptimizerConfig:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("'device' nvme needs 'nvme_path': the directory for the swap files")
+        return self
+
+
+class OffloadParamConfig(StrictModel):
+    """`zero_optimization.offload_param`: where stage 3 keeps its parameter shards."""
+
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None
+    buffer_count: NonNegativeInt = 5
+    buffer_size: NonNegativeInt = 100_000_000
+    max_in_cpu: NonNegativeInt = 1_000_000_000
+    pin_memory: bool = True
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "device": f"{ISSUE_OFFLOAD}: parameter offload"
+    }
+
+
+class AioConfig(StrictModel):
+    """`aio`: how swap files are read and written (no compiled extension: a pool of threads).
+
+    `block_size` is the size of each request a transfer is split into, `queue_depth` the requests
+    in flight, `intra_op_parallelism` (old name `thread_count`) the I/O threads.
+    """
+
+    block_size: PositiveInt = 1_048_576
+    queue_depth: PositiveInt = 8
+    intra_op_parallelism: PositiveInt = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "use_gds": NOT_PLANNED + " (GPUDirect Storage)",
+    }
 
 
 # DeepSpeed's default leaf classes: MoE blocks, whose experts run in a data-dependent order.
@@ -160,8 +232,8 @@ class ZeroConfig(StrictModel):
     ignore_unused_parameters: bool = True
     legacy_stage1: bool = False
     parameter_alignment: bool = False
-    offload_optimizer: Section = None
-    offload_param: Section = None
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
     stage3_prefetch_bucket_size: NonNegativeInt = 50_000_000
     stage3_param_persistence_threshold: NonNegativeInt = 100_000
     stage3_model_persistence_threshold: NonNegativeInt = 2**63 - 1
@@ -192,8 +264,6 @@ class ZeroConfig(StrictModel):
         "parameter_alignment": NOT_PLANNED,
         "load_from_fp32_weights": "shardspeed checkpoints always restore masters from fp32 values",
         "pipeline_loading_checkpoint": ISSUE_PIPE,
-        "offload_optimizer": ISSUE_OFFLOAD,
-        "offload_param": ISSUE_OFFLOAD,
         "sub_group_size": ISSUE_OFFLOAD,
         "zenflow": ISSUE_OFFLOAD,
         "save_muon_momentum_buffer_in_memory": NOT_PLANNED,
@@ -278,7 +348,7 @@ class ShardSpeedConfig(StrictModel):
     activation_checkpointing: Section = None
     flops_profiler: Section = None
     pipeline: Section = None
-    aio: Section = None
+    aio: AioConfig = Field(default_factory=AioConfig)
     autotuning: Section = None
     data_efficiency: Section = None
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -312,7 +382,6 @@ class ShardSpeedConfig(StrictModel):
         "activation_checkpointing": ISSUE_TP,
         "flops_profiler": ISSUE_TOOLS,
         "pipeline": ISSUE_PIPE,
-        "aio": ISSUE_OFFLOAD,
         "autotuning": ISSUE_TOOLS,
         "data_efficiency": NOT_PLANNED,
         "torch_autocast": NOT_PLANNED,
