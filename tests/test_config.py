@@ -148,7 +148,9 @@ def test_deprecated_zero_spellings_warn_and_map(caplog):
     assert "use 'zero_optimization.stage3_prefetch_bucket_size'" in caplog.text
     assert "use 'zero_optimization.stage3_gather_16bit_weights_on_model_save'" in caplog.text
     # The old flag maps to the modern block, which is then checked by its modern name.
-    assert "'zero_optimization.offload_optimizer.device' is a DeepSpeed key" in str(err.value)
+    assert "'zero_optimization.offload_optimizer' only acts at ZeRO stage 1 or 2 or 3" in str(
+        err.value
+    )
     zero = load(
         {
             "zero_optimization": {
@@ -246,7 +248,19 @@ BAD_CONFIGS = [
         {"zero_optimization": {"stage": 1}, "optimizer": {"type": "Lamb"}},
         "Lamb needs whole tensors",
     ),
-    ({"zero_optimization": {"sub_group_size": 1000}}, "(issue 6"),
+    (
+        {"zero_optimization": {"sub_group_size": 1000}},
+        "'zero_optimization.sub_group_size' only acts at ZeRO stage 1 or 2 or 3",
+    ),
+    (
+        {
+            "zero_optimization": {
+                "stage": 1,
+                "offload_optimizer": {"device": "cpu", "pipeline_read": True},
+            }
+        },
+        "['pipeline_read'] act only with 'device' nvme",
+    ),
     (
         {"zero_optimization": {"stage": 2, "stage3_param_persistence_threshold": 10}},
         "'zero_optimization.stage3_param_persistence_threshold' only acts at ZeRO stage 3; at "

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..comm import barrier, get_rank, get_world_size
+from ..zero.offload import per_element
 from .format import (
     DTYPE_NAMES,
     DTYPES,
@@ -147,8 +148,8 @@ def _collect(
         for k, (master, pieces) in enumerate(zip(zopt.masters, zopt.master_pieces())):
             flat = master.detach().reshape(-1)
             tensors[f"master.{k}"] = flat
-            state = zopt.optimizer.state.get(master, {})
-            sized = {n: v.reshape(-1) for n, v in state.items() if _per_element(v, master)}
+            state = zopt.state_of(k)
+            sized = {n: v.reshape(-1) for n, v in state.items() if per_element(v, master)}
             for n, v in sized.items():
                 tensors[f"optim.{n}.{k}"] = v.detach()
             for name, start, offset, length in pieces:
@@ -204,11 +205,6 @@ def _collect(
     return tensors, logical, rank_state
 
 
-def _per_element(value: Any, master: torch.Tensor) -> bool:
-    """An optimizer state with one value per element of its master (Adam's moments, not its step)."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape
-
-
 def _optimizer_json(zopt: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Hyperparameters and per-group scalar states (such as Adam's step) of the torch optimizer."""
     groups = []
@@ -217,7 +213,7 @@ def _optimizer_json(zopt: Any, tensors: dict[str, torch.Tensor]) -> dict[str, An
         scalars: dict[str, Any] = {}
         for master in group["params"]:
             for n, v in zopt.optimizer.state.get(master, {}).items():
-                if not _per_element(v, master):
+                if not isinstance(v, torch.Tensor) or v.dim() == 0:
                     scalars.setdefault(n, float(v) if isinstance(v, torch.Tensor) else v)
         groups.append({"hyper": encode(hyper, tensors, "extra."), "scalars": scalars})
     return {"type": type(zopt.optimizer).__name__, "groups": groups}
@@ -495,7 +491,7 @@ def _load_optimizer(
         param_groups.append(
             {**{k: v for k, v in group.items() if k != "params"}, **hyper, "params": ids}
         )
-    zopt.optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    zopt.load_optimizer_state({"state": state, "param_groups": param_groups})
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:

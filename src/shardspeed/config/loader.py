@@ -53,6 +53,7 @@ STAGE_ONLY_KEYS = {
     "zero_optimization.leaf_module": {3},
     "zero_optimization.offload_optimizer": {1, 2, 3},
     "zero_optimization.offload_param": {3},
+    "zero_optimization.sub_group_size": {1, 2, 3},
 }
 STAGE3_UNPREFIXED = (
     "prefetch_bucket_size",

@@ -105,7 +105,6 @@ class OffloadOptimizerConfig(StrictModel):
     cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
 
     not_supported_until: ClassVar[dict[str, str]] = {
-        "device": ISSUE_OFFLOAD,
         "fast_init": "shardspeed never writes initial optimizer states, so there is nothing to skip",
         "ratio": f"{ISSUE_OFFLOAD}: partial offload",
         "super_offload": NOT_PLANNED,
@@ -116,6 +115,16 @@ class OffloadOptimizerConfig(StrictModel):
     def _nvme_needs_a_path(self) -> OffloadOptimizerConfig:
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError("'device' nvme needs 'nvme_path': the directory for the swap files")
+        nvme_only = {
+            k: getattr(self, k)
+            for k in ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write")
+            if getattr(self, k) != type(self).model_fields[k].default
+        }
+        if self.device != "nvme" and nvme_only:
+            raise ValueError(
+                f"{sorted(nvme_only)} act only with 'device' nvme; with {self.device!r} they would be "
+                "ignored: remove them"
+            )
         return self
 
 
@@ -264,7 +273,6 @@ class ZeroConfig(StrictModel):
         "parameter_alignment": NOT_PLANNED,
         "load_from_fp32_weights": "shardspeed checkpoints always restore masters from fp32 values",
         "pipeline_loading_checkpoint": ISSUE_PIPE,
-        "sub_group_size": ISSUE_OFFLOAD,
         "zenflow": ISSUE_OFFLOAD,
         "save_muon_momentum_buffer_in_memory": NOT_PLANNED,
         "zero_quantized_gradients": ISSUE_TOOLS,

@@ -25,7 +25,15 @@ from ..config import ShardSpeedConfig, optimizer_params, scheduler_params
 from ..config.errors import ConfigError
 from ..optim import build_optimizer, build_scheduler
 from ..precision import build_loss_scaler
-from ..zero import GatheredParameters, GatherOptions, ReduceOptions, Stage3Options, ZeroOptimizer
+from ..zero import (
+    AioOptions,
+    GatheredParameters,
+    GatherOptions,
+    OffloadOptions,
+    ReduceOptions,
+    Stage3Options,
+    ZeroOptimizer,
+)
 from .dataloader import DistributedDataLoader
 
 logger = logging.getLogger("shardspeed")
@@ -161,6 +169,7 @@ class ShardSpeedEngine(nn.Module):
             gather=gather,
             ignore_unused_parameters=zero.ignore_unused_parameters,
             stage3=stage3_options(zero),
+            offload=offload_options(config),
         )
 
     def _build_scheduler(self, client: Any) -> Any:
@@ -496,6 +505,11 @@ class ShardSpeedEngine(nn.Module):
             load_module_only,
         )
 
+    def destroy(self) -> None:
+        """Release what the engine holds outside Python's objects: gradient hooks, swap files."""
+        if self.optimizer is not None:
+            self.optimizer.close()
+
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:
             raise RuntimeError(f"{what} needs an optimizer: pass one or add an 'optimizer' section")
@@ -517,7 +531,9 @@ class ShardSpeedEngine(nn.Module):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, by kind, each storage counted once (views share their storage).
 
-        At stage 3 `gathered_peak` adds the most bytes of gathered parameters alive at one time.
+        `on_device`, `on_cpu` and `on_nvme` split the same bytes by where they live (swap files
+        counted at their size on disk). At stage 3 `gathered_peak` adds the most bytes of gathered
+        parameters alive at one time.
         """
         held = (
             self.optimizer.held_tensors()
@@ -527,6 +543,8 @@ class ShardSpeedEngine(nn.Module):
         held["buffers"] = list(self.module.buffers())
         seen: set[tuple] = set()
         sizes = {}
+        where = {"device": 0, "cpu": 0, "nvme": 0}
+        accelerator = _device().type != "cpu"
         for kind in ("parameters", "gradients", "master_weights", "optimizer_states", "buffers"):
             total = 0
             for tensor in held.get(kind, []):
@@ -535,8 +553,17 @@ class ShardSpeedEngine(nn.Module):
                 if storage.nbytes() and key not in seen:
                     seen.add(key)
                     total += storage.nbytes()
+                    where["cpu" if accelerator and tensor.device.type == "cpu" else "device"] += (
+                        storage.nbytes()
+                    )
             sizes[kind] = total
+        swapped = getattr(self.optimizer, "swapped", None)
+        if swapped is not None:
+            where["nvme"] = swapped.bytes_on_disk()
         sizes["total"] = sum(sizes.values())
+        # By location: "device" is the training device's memory (host memory when there is no
+        # accelerator), "cpu" host memory apart from it, "nvme" the offload swap files.
+        sizes.update({f"on_{k}": v for k, v in where.items()})
         sharded = getattr(self.optimizer, "sharded_params", None)
         if sharded is not None:
             # Stage 3: the most bytes of whole (gathered) parameters alive at once so far, which
@@ -549,6 +576,28 @@ class ShardSpeedEngine(nn.Module):
 
     def was_step_applied(self) -> bool:
         return self._step_applied
+
+
+def offload_options(config: ShardSpeedConfig) -> OffloadOptions:
+    """`zero_optimization.offload_optimizer`, `sub_group_size` and `aio` for the optimizer."""
+    zero, aio = config.zero_optimization, config.aio
+    offload = zero.offload_optimizer
+    return OffloadOptions(
+        device=offload.device,
+        nvme_path=offload.nvme_path,
+        pin_memory=offload.pin_memory,
+        buffer_count=offload.buffer_count,
+        pipeline_read=offload.pipeline_read,
+        pipeline_write=offload.pipeline_write,
+        sub_group_size=zero.sub_group_size,
+        aio=AioOptions(
+            block_size=aio.block_size,
+            queue_depth=aio.queue_depth,
+            thread_count=aio.intra_op_parallelism,
+            single_submit=aio.single_submit,
+            overlap_events=aio.overlap_events,
+        ),
+    )
 
 
 def stage3_options(zero: Any) -> Stage3Options:

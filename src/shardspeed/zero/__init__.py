@@ -3,17 +3,21 @@
 from .estimate import model_state_bytes
 from .flat import FlatLayout
 from .init import Init
+from .offload import OffloadOptions
 from .optimizer import GatherOptions, NonFiniteGradientError, ReduceOptions, ZeroOptimizer
 from .partitioned import GatheredParameters, Stage3Options
 from .reducer import GradientReducer
+from .swap import AioOptions
 
 __all__ = [
+    "AioOptions",
     "FlatLayout",
     "GatherOptions",
     "GatheredParameters",
     "GradientReducer",
     "Init",
     "NonFiniteGradientError",
+    "OffloadOptions",
     "ReduceOptions",
     "Stage3Options",
     "ZeroOptimizer",

@@ -20,6 +20,7 @@ tensor per group for stages 1 and 2), copies masters back to the model's dtype a
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_gather, all_gather_into_tensor, all_reduce, broadcast
+from ..comm import all_gather, all_gather_into_tensor, all_reduce, broadcast, get_rank
 from ..precision import LossScaler, StaticLossScaler
-from .flat import FlatLayout
+from .flat import FlatLayout, logical_shape
 from .init import full_value, is_init_sharded
+from .offload import OffloadOptions, SwappedStates
 from .partitioned import ShardedParameters, Stage3Options, Unit, plan_units
 from .reducer import GradientReducer
 
@@ -83,6 +85,7 @@ class ZeroOptimizer:
         gather: GatherOptions | None = None,
         ignore_unused_parameters: bool = True,
         stage3: Stage3Options | None = None,
+        offload: OffloadOptions | None = None,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -105,6 +108,13 @@ class ZeroOptimizer:
             else []
         )
         regions, self.region_group, unit_regions = _regions(groups, units)
+        self.offload = offload or OffloadOptions()
+        if self.stage >= 1:
+            # sub_group_size: no master tensor (what the optimizer steps, and offload swaps) is
+            # larger than this, whole parameters permitting.
+            regions, self.region_group, unit_regions = _split_regions(
+                regions, self.region_group, unit_regions, self.offload.sub_group_size
+            )
         self.params = [p for region in regions for p in region]
         names = {p: n for n, p in module.named_parameters()}
         self.param_names = [names[p] for p in self.params]
@@ -170,7 +180,13 @@ class ZeroOptimizer:
             )
 
         self._attached: torch.Tensor | None = None
+        # Offloaded masters live in host memory; without a GPU that is where the model is anyway.
+        self.master_device = torch.device("cpu") if self.offload.enabled else device
         self._build_masters(model_dtype)
+        self.swapped: SwappedStates | None = None
+        if self.offload.device == "nvme":
+            self.swapped = SwappedStates(self.optimizer, self.masters, self.offload, get_rank())
+            self.swapped.check_space()
         if self.sharded_params is not None and self.master_flat is not None:
             # GatheredParameters(modifier_rank=...) changed the shard: the fp32 master follows.
             self.sharded_params.after_write = lambda: self.master_flat.copy_(
@@ -218,11 +234,22 @@ class ZeroOptimizer:
             if self.sharded_params is not None
             else [self.model_flat[s:e] for s, e in self.shard_ranges]
         )
-        if fp32:
+        if fp32 and self.master_device == own[0].device:
             self.master_flat = None
             self.masters = [nn.Parameter(v) for v in own]
         else:
-            self.master_flat = torch.cat(own).float()
+            pin = (
+                self.offload.pin_memory
+                and self.master_device.type == "cpu"
+                and torch.cuda.is_available()
+            )
+            self.master_flat = torch.empty(
+                sum(v.numel() for v in own),
+                dtype=torch.float32,
+                device=self.master_device,
+                pin_memory=pin,
+            )
+            self.master_flat.copy_(torch.cat(own))
             self.masters = [nn.Parameter(v) for v in self._split_shard(self.master_flat)]
         by_group: list[list[nn.Parameter]] = [[] for _ in self.optimizer.param_groups]
         for master, group in zip(self.masters, self.region_group):
@@ -255,28 +282,45 @@ class ZeroOptimizer:
     # -- backward ---------------------------------------------------------------------------------
 
     def _make_hook(self, index: int):
+        # Tensor hooks live in C++, where Python's garbage collector cannot see them: a hook holding
+        # the optimizer would keep it (and its buffers and swap files) alive for ever.
+        owner = weakref.ref(self)
         if self.stage >= 2:
 
             def sharded_hook(param: torch.Tensor) -> None:
-                self.reducer.gradient_slot(index).copy_(param.grad)
+                zopt = owner()
+                if zopt is None:
+                    return
+                zopt.reducer.gradient_slot(index).copy_(param.grad)
                 param.grad = None
-                self.reducer.mark_ready(index)
-                if self.sharded_params is not None:
-                    self.sharded_params.gradient_done(index)
+                zopt.reducer.mark_ready(index)
+                if zopt.sharded_params is not None:
+                    zopt.sharded_params.gradient_done(index)
 
             return sharded_hook
         view = self._grad_views[index]
 
         def hook(param: torch.Tensor) -> None:
+            zopt = owner()
+            if zopt is None:
+                return
             grad = param.grad
             if grad.data_ptr() != view.data_ptr():
                 # Mixed precision, or someone set .grad to None: fold it into the flat buffer.
                 view.add_(grad)
-                param.grad = view if self._grads_alias_params else None
-            if self.reducer is not None:
-                self.reducer.mark_ready(index)
+                param.grad = view if zopt._grads_alias_params else None
+            if zopt.reducer is not None:
+                zopt.reducer.mark_ready(index)
 
         return hook
+
+    def close(self) -> None:
+        """Remove the gradient hooks and the offload swap files (the engine's `destroy()`)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self.swapped is not None:
+            self.swapped.close()
 
     def _add_own_part(self, start: int, end: int, reduced: torch.Tensor) -> None:
         for rank, a, b, offset in self.layout.owners(start, end):
@@ -354,10 +398,15 @@ class ZeroOptimizer:
             clip_coef = self.gradient_clipping / (self.global_grad_norm + 1e-6)
             if clip_coef < 1.0:
                 factor *= clip_coef
+        if grads.device != self.master_device:
+            grads = self._host_grads(grads)
         if factor != 1.0:
             grads.mul_(factor)
         self._attach(grads)
-        self.optimizer.step()
+        if self.swapped is not None:
+            self.swapped.step()
+        else:
+            self.optimizer.step()
         if grads is not self._attached:
             for master in self.masters:
                 master.grad = None  # a temporary fp32 copy: let it go now
@@ -365,6 +414,16 @@ class ZeroOptimizer:
         self.loss_scaler.update(False)
         self.zero_grad()
         return True
+
+    def _host_grads(self, grads: torch.Tensor) -> torch.Tensor:
+        """The gradients copied into a persistent (pinned) host buffer, for an offloaded step."""
+        if getattr(self, "_host_buffer", None) is None:
+            self._host_buffer = torch.empty(
+                grads.numel(), dtype=torch.float32, pin_memory=self.offload.pin_memory
+            )
+        self._host_buffer.copy_(grads, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # the CPU step reads the buffer next
+        return self._host_buffer
 
     def _global_norm(self, grads: torch.Tensor) -> torch.Tensor:
         if self.stage == 0:
@@ -467,6 +526,18 @@ class ZeroOptimizer:
                     own.append((name, lo - offset, lo - s, hi - lo))
             pieces.append(own)
         return pieces
+
+    def state_of(self, k: int) -> dict[str, Any]:
+        """Master `k`'s optimizer state, swapped-out states read back (for a checkpoint)."""
+        if self.swapped is not None:
+            return self.swapped.materialized(k)
+        return dict(self.optimizer.state.get(self.masters[k], {}))
+
+    def load_optimizer_state(self, state_dict: dict[str, Any]) -> None:
+        """`optimizer.load_state_dict` over the masters; offloaded states then go to their files."""
+        self.optimizer.load_state_dict(state_dict)
+        if self.swapped is not None:
+            self.swapped.adopt_loaded()
 
     # -- accounting -------------------------------------------------------------------------------
 
@@ -577,6 +648,33 @@ def _regions(
         unit_regions.append(range(first, len(regions)))
     assert sum(map(len, regions)) == len(group_of)
     return regions, region_group, unit_regions
+
+
+def _split_regions(
+    regions: list[list[nn.Parameter]],
+    region_group: list[int],
+    unit_regions: list[range],
+    limit: int,
+) -> tuple[list[list[nn.Parameter]], list[int], list[range]]:
+    """Split each region into runs of whole parameters holding at most `limit` elements each."""
+    out, out_group, out_units = [], [], []
+    spans = unit_regions or [range(len(regions))]
+    for span in spans:
+        first = len(out)
+        for r in span:
+            run, size = [], 0
+            for p in regions[r]:
+                numel = logical_shape(p).numel()
+                if run and size + numel > limit:
+                    out.append(run)
+                    out_group.append(region_group[r])
+                    run, size = [], 0
+                run.append(p)
+                size += numel
+            out.append(run)
+            out_group.append(region_group[r])
+        out_units.append(range(first, len(out)))
+    return out, out_group, out_units if unit_regions else []
 
 
 def _reduce_scales(reduce: ReduceOptions, world: int) -> tuple[float, float]:
