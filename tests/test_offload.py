@@ -165,3 +165,14 @@ def test_destroy_removes_swap_files_and_a_dropped_engine_is_collected(tmp_path):
     del engine
     gc.collect()
     assert alive() is None and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_nvme_offload_equals_no_offload(pool2, tmp_path, precision):
+    # 16-bit models have separate fp32 masters; their moments go to the swap files all the same.
+    half = {precision: {"enabled": True}}
+    plain = pool2.run(session, {**keys(2, "none", sub_group=60), **half}, 2, 3)
+    nvme = pool2.run(session, {**keys(2, "nvme", str(tmp_path), 60, **PIPELINED), **half}, 2, 3)
+    for a, b in zip(plain, nvme):
+        for x, y in zip(a["params"], b["params"]):
+            assert torch.equal(x, y)
