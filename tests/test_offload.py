@@ -16,6 +16,7 @@ import torch
 import shardspeed
 from reference_training import make_model
 from shardspeed.testing import RankFailure
+from shardspeed.utils.net import free_port
 from test_checkpoint import session
 
 
@@ -117,8 +118,17 @@ PEAK_SCRIPT = textwrap.dedent(
 )
 
 
+def script_env() -> dict:
+    # A one-process group on a port of its own: the default 29500 may be taken by another job.
+    return {
+        **os.environ,
+        "PYTHONPATH": str(Path(shardspeed.__file__).parents[1]),
+        **dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1"),
+    }
+
+
 def peak_rss(mode: str, path: Path) -> int:
-    env = {**os.environ, "PYTHONPATH": str(Path(shardspeed.__file__).parents[1])}
+    env = script_env()
     out = subprocess.run(
         [sys.executable, "-c", PEAK_SCRIPT, mode, str(path)],
         capture_output=True,
@@ -141,7 +151,10 @@ def test_nvme_offload_cuts_resident_memory(tmp_path):
 def test_swap_files_removed_after_an_exception(tmp_path):
     script = PEAK_SCRIPT.replace('sys.argv[1] == "nvme"', 'sys.argv[1] in ("nvme", "raise")')
     out = subprocess.run(
-        [sys.executable, "-c", script, "raise", str(tmp_path)], capture_output=True, text=True
+        [sys.executable, "-c", script, "raise", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=script_env(),
     )
     assert "boom" in out.stderr
     assert list(tmp_path.iterdir()) == []
