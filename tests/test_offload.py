@@ -189,3 +189,14 @@ def test_half_precision_nvme_offload_equals_no_offload(pool2, tmp_path, precisio
     for a, b in zip(plain, nvme):
         for x, y in zip(a["params"], b["params"]):
             assert torch.equal(x, y)
+
+
+def test_parameter_offload_to_cpu_equals_no_offload(pool2, tmp_path):
+    # Without an accelerator the shards are in host memory already: the same run, bit for bit.
+    plain = pool2.run(session, keys(3, "none"), 2, 3)
+    both = keys(3, "cpu")
+    both["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    offloaded = pool2.run(session, both, 2, 3)
+    for a, b in zip(plain, offloaded):
+        for x, y in zip(a["params"], b["params"]):
+            assert torch.equal(x, y)

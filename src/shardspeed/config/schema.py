@@ -129,7 +129,11 @@ class OffloadOptimizerConfig(StrictModel):
 
 
 class OffloadParamConfig(StrictModel):
-    """`zero_optimization.offload_param`: where stage 3 keeps its parameter shards."""
+    """`zero_optimization.offload_param`: where stage 3 keeps its parameter shards.
+
+    `cpu`: the shards in (pinned) host memory; each gather copies this rank's piece to the device
+    first. Without an accelerator the shards are in host memory anyway.
+    """
 
     device: OffloadDevice = "none"
     nvme_path: str | None = None
@@ -139,8 +143,17 @@ class OffloadParamConfig(StrictModel):
     pin_memory: bool = True
 
     not_supported_until: ClassVar[dict[str, str]] = {
-        "device": f"{ISSUE_OFFLOAD}: parameter offload"
+        "buffer_count": f"{ISSUE_OFFLOAD}: parameter offload to NVMe",
+        "buffer_size": f"{ISSUE_OFFLOAD}: parameter offload to NVMe",
+        "max_in_cpu": f"{ISSUE_OFFLOAD}: parameter offload to NVMe",
     }
+
+    @field_validator("device")
+    @classmethod
+    def _not_nvme_yet(cls, value: str) -> str:
+        if value == "nvme":
+            raise ValueError(f"nvme is not supported yet ({ISSUE_OFFLOAD}); use cpu or none")
+        return value
 
 
 class AioConfig(StrictModel):

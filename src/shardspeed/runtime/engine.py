@@ -590,6 +590,7 @@ def offload_options(config: ShardSpeedConfig) -> OffloadOptions:
         pipeline_read=offload.pipeline_read,
         pipeline_write=offload.pipeline_write,
         sub_group_size=zero.sub_group_size,
+        param_device=zero.offload_param.device,
         aio=AioOptions(
             block_size=aio.block_size,
             queue_depth=aio.queue_depth,

@@ -37,6 +37,7 @@ class OffloadOptions:
     pipeline_write: bool = False
     sub_group_size: int = 1_000_000_000
     aio: AioOptions = field(default_factory=AioOptions)
+    param_device: str = "none"  # offload_param: none or cpu (stage 3's shards in host memory)
 
     @property
     def enabled(self) -> bool:

@@ -133,7 +133,10 @@ class ZeroOptimizer:
             offsets = [0]
             for s, e in self.shard_ranges:
                 offsets.append(offsets[-1] + e - s)
-            shard = torch.empty(offsets[-1], dtype=model_dtype, device=device)
+            # offload_param keeps the shard in (pinned) host memory; units gather on the device.
+            shard_device = torch.device("cpu") if self.offload.param_device != "none" else device
+            pin = shard_device != device and self.offload.pin_memory and torch.cuda.is_available()
+            shard = torch.empty(offsets[-1], dtype=model_dtype, device=shard_device, pin_memory=pin)
             for regions in unit_regions:
                 start, end = self.layout.groups[regions[0]][0], self.layout.groups[regions[-1]][1]
                 buffer = self._whole(start, end, model_dtype, device)
@@ -151,6 +154,7 @@ class ZeroOptimizer:
                 self.params,
                 dp_group,
                 stage3,
+                device,
             )
             self.sharded_params.refresh_persistent()
         else:

@@ -183,9 +183,13 @@ class ShardedParameters:
         params: list[nn.Parameter],
         group: Any,
         options: Stage3Options | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.units, self.layout, self.unit_regions = units, layout, unit_regions
         self.shard_offsets, self.shard, self.group = shard_offsets, shard, group
+        # Where gathered units live: the training device, also when `offload_param` keeps the
+        # shard in host memory (each gather then copies this rank's piece over first).
+        self.device = device or shard.device
         self.options = options or Stage3Options()
         self.index = {p: i for i, p in enumerate(params)}
         self.params = params
@@ -204,7 +208,7 @@ class ShardedParameters:
             )
         self.buffers: dict[int, torch.Tensor] = {}
         self._kept: set[int] = set()  # finished units kept whole because they are reused soon
-        self._empty = torch.empty(0, dtype=shard.dtype, device=shard.device)
+        self._empty = torch.empty(0, dtype=shard.dtype, device=self.device)
         self._pending: list[int] = [len(u.params) for u in units]
         self.unit_of = [0] * len(params)
         for u, unit in enumerate(units):
@@ -269,13 +273,14 @@ class ShardedParameters:
 
     def _launch(self, u: int) -> None:
         start, end = self.span(u)
-        buffer = torch.empty(end - start, dtype=self.shard.dtype, device=self.shard.device)
+        buffer = torch.empty(end - start, dtype=self.shard.dtype, device=self.device)
         works = []
         for r in self.unit_regions[u]:
             r_start, r_end = self.layout.groups[r]
             size = (r_end - r_start) // self.layout.shards
             if size:
                 mine = self.shard[self.shard_offsets[r] : self.shard_offsets[r] + size]
+                mine = mine.to(self.device, non_blocking=True)
                 out = buffer[r_start - start : r_end - start]
                 works.append(all_gather_into_tensor(out, mine, group=self.group, async_op=True))
         self._in_flight[u] = (buffer, works)
