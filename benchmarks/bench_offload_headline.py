@@ -6,6 +6,10 @@ moments in swap files under /tmp; what stays in memory is each rank's fp32 shard
 its gradient shard, 8 bytes per parameter over both ranks. Records parameters, seconds per step,
 peak RSS per rank and bytes on disk.
 
+Status (2026-11-30): on the 23.5 GiB machine both ranks are OOM-killed at about 12 GiB each (the
+19.7 GB that stay in memory plus working memory): the headline needs parameter offload to NVMe
+(issue 6), which moves the fp32 shards out too. `HEADLINE_SMOKE=1` runs the script on a tiny model.
+
     .venv/bin/python benchmarks/bench_offload_headline.py --write
 """
 

@@ -122,6 +122,7 @@ class ZeroOptimizer:
         if any(p.dtype != model_dtype or p.device != device for p in self.params):
             raise ValueError("all trainable parameters must share one dtype and device")
         self.layout = FlatLayout.of(regions, dp_world_size if self.stage >= 1 else 1)
+        region_params = regions
         self.shard_ranges = [self.layout.shard(r, dp_rank) for r in range(len(regions))]
 
         # Model weights: one buffer, every parameter a view into it, identical on every rank.
@@ -143,8 +144,10 @@ class ZeroOptimizer:
                 for r in regions:
                     s, e = self.shard_ranges[r]
                     shard[offsets[r] : offsets[r] + e - s].copy_(buffer[s - start : e - start])
-            for p in self.params:
-                p.__dict__.pop("ds_shard", None)  # zero.Init's slices now live in `shard`
+                    for p in region_params[r]:
+                        # zero.Init's slice now lives in `shard`: free it unit by unit, so the
+                        # rank never holds its share of the model twice.
+                        p.__dict__.pop("ds_shard", None)
             self.sharded_params = ShardedParameters(
                 units,
                 self.layout,
