@@ -417,3 +417,13 @@ def test_config_keys_page_is_current():
     assert page.read_text() == render(), (
         "run: python -m shardspeed.config.report > docs/config-keys.md"
     )
+
+
+def test_aio_thread_count_is_the_old_name_of_intra_op_parallelism(caplog):
+    nvme = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}
+    with caplog.at_level(logging.WARNING, logger="shardspeed"):
+        config = load({"zero_optimization": nvme, "aio": {"thread_count": 3}})
+    assert config.aio.intra_op_parallelism == 3
+    assert "'aio.thread_count' is deprecated: use 'aio.intra_op_parallelism'" in caplog.text
+    with pytest.raises(ConfigError, match=r"both 'aio\.thread_count' and its modern name"):
+        load({"zero_optimization": nvme, "aio": {"thread_count": 3, "intra_op_parallelism": 2}})
