@@ -256,3 +256,30 @@ def test_load_module_only_leaves_optimizer_and_counters(tmp_path):
     assert result["steps"] == 0 and result["optimizer_state"] == 0
     for a, b in zip(result["params"], trained["params"]):
         assert torch.equal(a, b)
+
+
+def session_in_small_files(*args) -> dict:
+    """`session`, with each rank's checkpoint split into files of about 4 KiB."""
+    from shardspeed.checkpoint import engine_state
+
+    defaults = engine_state._RankFiles.__init__.__defaults__
+    engine_state._RankFiles.__init__.__defaults__ = (4096,)
+    try:
+        return session(*args)
+    finally:
+        engine_state._RankFiles.__init__.__defaults__ = defaults
+
+
+def test_a_rank_writes_several_files_when_its_part_is_large(pool2, tmp_path):
+    keys = stage_keys(3, "fp32")
+    straight = pool2.run(session, keys, 2, 4)
+    pool2.run(session_in_small_files, keys, 2, 2, str(tmp_path))
+    names = {p.name for p in (tmp_path / "global_step2").iterdir()}
+    assert {"rank00000.safetensors", "rank00000-1.safetensors", "rank00001-1.safetensors"} <= names
+    from shardspeed.checkpoint.cli import main as ckpt_cli
+
+    assert ckpt_cli(["verify", str(tmp_path)]) == 0
+    resumed = pool2.run(session, keys, 2, 4, None, str(tmp_path))
+    for a, b in zip(straight, resumed):
+        for x, y in zip(a["params"], b["params"]):
+            assert torch.equal(x, y)

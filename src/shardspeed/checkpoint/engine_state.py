@@ -81,13 +81,13 @@ def save_engine(
 
     report: dict[str, Any] = {"rank": rank, "error": None}
     try:
-        tensors, report["tensors"], report["rank_state"] = _collect(
-            engine, client_state if rank == 0 else None, exclude_frozen_parameters
+        files = _RankFiles(partial, rank)
+        logical, report["rank_state"] = _collect(
+            engine, files, client_state if rank == 0 else None, exclude_frozen_parameters
         )
-        name = rank_file(rank)
-        info = write_tensor_file(partial / name, tensors)
-        report["file"] = {name: {k: v for k, v in info.items() if k != "tensors"}}
-        report["tensors"] = _place_pieces(report["tensors"], name, info["tensors"])
+        files.flush(last=True)
+        report["file"] = files.described
+        report["tensors"] = _place_pieces(logical, files.where)
         if rank == 0:
             report["shared"] = report["rank_state"].pop("shared")
     except Exception as err:  # reported to every rank, then raised everywhere
@@ -127,12 +127,49 @@ def _agreed_tag(tag: str, mode: str) -> str:
     return tags[0]
 
 
+class _RankFiles:
+    """This rank's tensors, written into files of about `part_bytes` as they are added.
+
+    A save then holds at most that much beyond what training holds anyway (states read back from
+    NVMe swap files, device tensors copied to the host). The first file is `rank<R>.safetensors`,
+    later ones `rank<R>-<i>.safetensors`.
+    """
+
+    def __init__(self, directory: Path, rank: int, part_bytes: int = 1 << 30) -> None:
+        self.directory, self.rank, self.part_bytes = directory, rank, part_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._bytes = 0
+        self._count = 0
+        self.described: dict[str, Any] = {}  # file -> size and CRC blocks, for the manifest
+        self.where: dict[str, tuple[str, int, str]] = {}  # key -> (file, byte offset, dtype)
+
+    def __setitem__(self, key: str, tensor: torch.Tensor) -> None:
+        self._pending[key] = tensor
+        self._bytes += tensor.numel() * tensor.element_size()
+        self._count += 1
+        if self._bytes >= self.part_bytes:
+            self.flush()
+
+    def __len__(self) -> int:
+        return self._count  # `encode` numbers the tensors it sets aside by this
+
+    def flush(self, last: bool = False) -> None:
+        if not self._pending and not (last and not self.described):
+            return
+        part = len(self.described)
+        name = rank_file(self.rank) if part == 0 else f"rank{self.rank:05d}-{part}.safetensors"
+        info = write_tensor_file(self.directory / name, self._pending)
+        self.described[name] = {k: v for k, v in info.items() if k != "tensors"}
+        self.where.update({k: (name, *place) for k, place in info["tensors"].items()})
+        self._pending, self._bytes = {}, 0
+
+
 def _collect(
-    engine: Any, client_state: dict[str, Any] | None, exclude_frozen: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """(tensors for this rank's file, logical tensors -> [(key, start, length)], JSON state)."""
+    engine: Any, tensors: _RankFiles, client_state: dict[str, Any] | None, exclude_frozen: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Add this rank's tensors to `tensors`; (logical tensors -> [(key, start, length, offset)],
+    JSON state)."""
     zopt = engine.optimizer
-    tensors: dict[str, torch.Tensor] = {}
     logical: dict[str, dict[str, Any]] = {}
     rank, writes_replicated = get_rank(), get_rank() == 0
 
@@ -202,7 +239,7 @@ def _collect(
             ),
             "client_state": encode(client_state or {}, tensors, "client.", "client_state"),
         }
-    return tensors, logical, rank_state
+    return logical, rank_state
 
 
 def _optimizer_json(zopt: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -220,18 +257,16 @@ def _optimizer_json(zopt: Any, tensors: dict[str, torch.Tensor]) -> dict[str, An
 
 
 def _place_pieces(
-    logical: dict[str, dict[str, Any]], file: str, offsets: dict[str, tuple[int, str]]
+    logical: dict[str, dict[str, Any]], where: dict[str, tuple[str, int, str]]
 ) -> dict[str, dict[str, Any]]:
-    """Turn (key, start, length, element offset) into Pieces with absolute byte offsets."""
+    """Turn (key, start, length, element offset) into Pieces with files and absolute byte offsets."""
     placed = {}
     for name, entry in logical.items():
         pieces = []
         for key, start, length, element_offset in entry["pieces"]:
-            byte_offset, dtype = offsets[key]
-            size = _itemsize(dtype)
-            pieces.append(
-                Piece(file, byte_offset + element_offset * size, start, length, dtype).to_json()
-            )
+            file, byte_offset, dtype = where[key]
+            offset = byte_offset + element_offset * _itemsize(dtype)
+            pieces.append(Piece(file, offset, start, length, dtype).to_json())
         placed[name] = {**entry, "pieces": pieces}
     return placed
 
