@@ -313,7 +313,17 @@ BAD_CONFIGS = [
     ({"aio": {"block_size": 4096}}, "'aio' only acts with an offload 'device' nvme"),
     (
         {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
-        "'zero_optimization.offload_param.device': nvme is not supported yet (issue 6",
+        "'zero_optimization.offload_param': 'device' nvme needs 'nvme_path'",
+    ),
+    (
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": "/tmp"},
+                "offload_optimizer": {"device": "cpu"},
+            }
+        },
+        "'zero_optimization.offload_param.device' nvme needs an fp32 model and",
     ),
     (
         {"checkpoint": {"tag_validation": "Fial"}},

@@ -200,3 +200,34 @@ def test_parameter_offload_to_cpu_equals_no_offload(pool2, tmp_path):
     for a, b in zip(plain, offloaded):
         for x, y in zip(a["params"], b["params"]):
             assert torch.equal(x, y)
+
+
+def param_nvme(path: str, sub_group: int = 0) -> dict:
+    both = keys(3, "nvme", path, sub_group, **PIPELINED)
+    both["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": path}
+    return both
+
+
+@pytest.mark.parametrize("sub_group", [0, 60])
+def test_parameter_offload_to_nvme_equals_no_offload(pool2, tmp_path, sub_group):
+    # The shards (the fp32 masters) live in swap files, read for each gather and each step.
+    plain = pool2.run(session, keys(3, "none", sub_group=sub_group), 2, 4)
+    swapped = pool2.run(session, param_nvme(str(tmp_path), sub_group), 2, 4)
+    for a, b in zip(plain, swapped):
+        for x, y in zip(a["params"], b["params"]):
+            assert torch.equal(x, y)
+    pool2.run(gc.collect)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoints_cross_parameter_offload(pool2, tmp_path):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    straight = pool2.run(session, keys(3, "none"), 2, 4)
+    pool2.run(session, param_nvme(str(swap)), 2, 2, ckpt)
+    resumed = pool2.run(session, keys(3, "none"), 2, 4, None, ckpt)
+    back = pool2.run(session, param_nvme(str(swap)), 2, 4, None, ckpt)
+    for a, b, c in zip(straight, resumed, back):
+        for x, y, z in zip(a["params"], b["params"], c["params"]):
+            assert torch.equal(x, y) and torch.equal(x, z)

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from ..comm import barrier, get_rank, get_world_size
-from ..zero.offload import per_element
 from .format import (
     DTYPE_NAMES,
     DTYPES,
@@ -182,11 +181,15 @@ def _collect(
     shapes = dict(zip(zopt.param_names, zopt.layout.shapes))
     sharded = zopt.stage >= 1
     if sharded or writes_replicated:
-        for k, (master, pieces) in enumerate(zip(zopt.masters, zopt.master_pieces())):
-            flat = master.detach().reshape(-1)
+        for k, pieces in enumerate(zopt.master_pieces()):
+            flat = zopt.master_value(k)
             tensors[f"master.{k}"] = flat
             state = zopt.state_of(k)
-            sized = {n: v.reshape(-1) for n, v in state.items() if per_element(v, master)}
+            sized = {
+                n: v.reshape(-1)
+                for n, v in state.items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == flat.numel()
+            }
             for n, v in sized.items():
                 tensors[f"optim.{n}.{k}"] = v.detach()
             for name, start, offset, length in pieces:
@@ -434,11 +437,11 @@ def load_parameters(
     _check_names(engine, source, strict, label, exclude_frozen)
     pieces = zopt.master_pieces()
     with torch.no_grad():
-        for master, own in zip(zopt.masters, pieces):
-            flat = master.data.reshape(-1)
-            for name, start, offset, length in own:
-                if f"param/{name}" in source:
-                    flat[offset : offset + length] = source.read(f"param/{name}", start, length)
+        for k, own in enumerate(pieces):
+            with zopt.writable_master(k) as flat:
+                for name, start, offset, length in own:
+                    if f"param/{name}" in source:
+                        flat[offset : offset + length] = source.read(f"param/{name}", start, length)
         managed = set(zopt.param_names)
         for name, p in engine.module.named_parameters():
             if name not in managed and f"param/{name}" in source:
@@ -504,14 +507,17 @@ def _load_optimizer(
             entry: dict[str, Any] = {
                 n: torch.tensor(v) if isinstance(v, float) else v for n, v in scalars.items()
             }
+            numel = zopt.master_numel(k)
             for n in state_names:
-                values = torch.zeros(master.numel(), dtype=torch.float32)
+                values = torch.zeros(numel, dtype=torch.float32)
                 for name, start, offset, length in pieces[k]:
                     if f"optim/{n}/{name}" in source:
                         values[offset : offset + length] = source.read(
                             f"optim/{n}/{name}", start, length
                         )
-                entry[n] = values.view(master.shape).to(master.device)
+                entry[n] = (values.view(master.shape) if master.numel() == numel else values).to(
+                    master.device
+                )
             if entry:
                 state[flat_ids[-1]] = entry
     param_groups = []

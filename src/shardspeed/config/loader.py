@@ -350,6 +350,15 @@ def _cross_section(config: ShardSpeedConfig) -> list[str]:
                 f"'{path}' only acts at ZeRO stage {' or '.join(map(str, sorted(stages)))}; at "
                 f"stage {stage} it would be ignored: remove it (got {shown!r})"
             )
+    zero = config.zero_optimization
+    if zero.offload_param.device == "nvme" and (
+        zero.offload_optimizer.device != "nvme" or config.fp16.enabled or config.bf16.enabled
+    ):
+        problems.append(
+            "'zero_optimization.offload_param.device' nvme needs an fp32 model and "
+            "'zero_optimization.offload_optimizer.device' nvme: the shards are then the fp32 "
+            "masters, stepped piece by piece with the optimizer states"
+        )
     nvme = "nvme" in (
         config.zero_optimization.offload_optimizer.device,
         config.zero_optimization.offload_param.device,

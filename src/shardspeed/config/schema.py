@@ -132,7 +132,8 @@ class OffloadParamConfig(StrictModel):
     """`zero_optimization.offload_param`: where stage 3 keeps its parameter shards.
 
     `cpu`: the shards in (pinned) host memory; each gather copies this rank's piece to the device
-    first. Without an accelerator the shards are in host memory anyway.
+    first. Without an accelerator the shards are in host memory anyway. `nvme` (fp32 models, with
+    `offload_optimizer.device` nvme): the shards, which are then the fp32 masters, in swap files.
     """
 
     device: OffloadDevice = "none"
@@ -148,12 +149,13 @@ class OffloadParamConfig(StrictModel):
         "max_in_cpu": f"{ISSUE_OFFLOAD}: parameter offload to NVMe",
     }
 
-    @field_validator("device")
-    @classmethod
-    def _not_nvme_yet(cls, value: str) -> str:
-        if value == "nvme":
-            raise ValueError(f"nvme is not supported yet ({ISSUE_OFFLOAD}); use cpu or none")
-        return value
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> OffloadParamConfig:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("'device' nvme needs 'nvme_path': the directory for the swap files")
+        if self.device != "nvme" and self.nvme_path:
+            raise ValueError(f"'nvme_path' acts only with 'device' nvme, not {self.device!r}")
+        return self
 
 
 class AioConfig(StrictModel):

@@ -591,6 +591,7 @@ def offload_options(config: ShardSpeedConfig) -> OffloadOptions:
         pipeline_write=offload.pipeline_write,
         sub_group_size=zero.sub_group_size,
         param_device=zero.offload_param.device,
+        param_nvme_path=zero.offload_param.nvme_path,
         aio=AioOptions(
             block_size=aio.block_size,
             queue_depth=aio.queue_depth,

@@ -37,7 +37,8 @@ class OffloadOptions:
     pipeline_write: bool = False
     sub_group_size: int = 1_000_000_000
     aio: AioOptions = field(default_factory=AioOptions)
-    param_device: str = "none"  # offload_param: none or cpu (stage 3's shards in host memory)
+    param_device: str = "none"  # offload_param: where stage 3's shards live (none, cpu, nvme)
+    param_nvme_path: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -49,6 +50,11 @@ def per_element(value: Any, master: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape
 
 
+def _per_element(value: Any, size: int) -> bool:
+    """`per_element` for a flat master of `size` elements that may be swapped out right now."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == size
+
+
 class SwappedStates:
     """Keeps each master's per-element optimizer states in files, in memory only around its step."""
 
@@ -56,10 +62,15 @@ class SwappedStates:
         self,
         optimizer: torch.optim.Optimizer,
         masters: list[torch.Tensor],
+        sizes: list[int],
         options: OffloadOptions,
         rank: int,
+        values: Any = None,
     ) -> None:
+        """`values`: a `SwappedShard` holding the masters themselves (parameter offload to NVMe),
+        whose pieces are then read and written around each step like the states."""
         self.optimizer, self.masters, self.options = optimizer, masters, options
+        self.sizes, self.values = sizes, values
         self.swapper = NvmeSwapper(options.nvme_path, rank, options.aio)
         self._names: list[list[str]] = [[] for _ in masters]  # state names on disk, per master
         self._reads: dict[int, list[tuple[str, torch.Tensor, Future]]] = {}
@@ -67,7 +78,7 @@ class SwappedStates:
         self._writes: deque[list[tuple[Future, torch.Tensor]]] = deque()
         # Read buffers, reused: a fixed set keeps resident memory flat (freed and reallocated
         # buffers of this size would stay in the allocator's arena anyway).
-        self._largest = max(m.numel() for m in masters)
+        self._largest = max(sizes)
         _return_large_blocks_to_the_os()
         self._free: list[torch.Tensor] = []
         self._pooled: set[int] = set()
@@ -80,13 +91,12 @@ class SwappedStates:
 
     def check_space(self) -> None:
         """Before training: room for two fp32 moments of every master on `nvme_path`."""
-        self.swapper.check_space(sum(2 * 4 * m.numel() for m in self.masters))
+        self.swapper.check_space(sum(2 * 4 * size for size in self.sizes))
 
     # -- the step -------------------------------------------------------------------------------
 
-    def step(self) -> None:
+    def step(self, grads: list[torch.Tensor]) -> None:
         """Step the optimizer one master at a time, each between reading and writing its states."""
-        grads = [m.grad for m in self.masters]
         for m in self.masters:
             m.grad = None
         for k, master in enumerate(self.masters):
@@ -98,44 +108,34 @@ class SwappedStates:
             master.grad = None
             self._swap_out(k)
         self._drain_writes(0)
-        for m, g in zip(self.masters, grads):
-            m.grad = g
 
     def _start_read(self, k: int) -> None:
-        if k in self._reads or not self._names[k]:
+        if k in self._reads or not (self._names[k] or self.values is not None):
             return
         self._drain_writes(self.options.buffer_count - 2)
-        master = self.masters[k]
         reads = []
         for name in self._names[k]:
-            buffer = self._buffer()[: master.numel()]
+            buffer = self._buffer()[: self.sizes[k]]
             reads.append((name, buffer, self.swapper.read(f"{k}.{name}", buffer)))
+        if self.values is not None:
+            reads.append((None, *self.values.read_async(k)))
         self._reads[k] = reads
 
-    def _buffer(self) -> torch.Tensor:
-        if self._free:
-            return self._free.pop()
-        buffer = aligned_empty(self._largest, torch.float32, pin=self.options.pin_memory)
-        self._pooled.add(buffer.data_ptr())
-        return buffer
-
-    def _release(self, tensor: torch.Tensor) -> None:
-        """A written tensor: back to the pool if it is a pool buffer (else it is simply freed)."""
-        if tensor.data_ptr() in self._pooled:
-            self._free.append(tensor.view(-1).as_strided((self._largest,), (1,)))
-
     def _swap_in(self, k: int) -> None:
-        """Master `k`'s states in memory (read now, or by the read-ahead started before)."""
+        """Master `k`'s states (and values, if swapped) in memory, read now or by the read-ahead."""
         self._start_read(k)
         state = self.optimizer.state[self.masters[k]]
         for name, buffer, done in self._reads.pop(k, []):
             done.result()
-            state[name] = buffer.view(self.masters[k].shape)
+            if name is None:
+                self.masters[k].data = buffer
+            else:
+                state[name] = buffer
 
     def _swap_out(self, k: int) -> None:
         master = self.masters[k]
         state = self.optimizer.state[master]
-        names = [n for n, v in state.items() if per_element(v, master)]
+        names = [n for n, v in state.items() if _per_element(v, self.sizes[k])]
         pending = []
         for name in names:
             tensor = state[name]
@@ -143,6 +143,9 @@ class SwappedStates:
                 self.swapper.reserve(f"{k}.{name}", tensor.numel() * tensor.element_size())
             pending.append((self.swapper.write(f"{k}.{name}", tensor), tensor))
             state[name] = _EMPTY  # the file holds it now; memory goes when the write completes
+        if self.values is not None:
+            pending.append((self.values.write_async(k, master.data), master.data))
+            master.data = _EMPTY
         self._names[k] = names
         self._writes.append(pending)
         self._drain_writes(self.options.buffer_count - 2 if self.options.pipeline_write else 0)
@@ -161,16 +164,30 @@ class SwappedStates:
         self._drain_writes(0)
         state = dict(self.optimizer.state.get(self.masters[k], {}))
         for name in self._names[k]:
-            buffer = aligned_empty(self.masters[k].numel(), torch.float32)
+            buffer = aligned_empty(self.sizes[k], torch.float32)
             self.swapper.read(f"{k}.{name}", buffer).result()
-            state[name] = buffer.view(self.masters[k].shape)
+            state[name] = buffer
         return state
 
     def adopt_loaded(self) -> None:
         """After `optimizer.load_state_dict`: write every master's loaded states out to files."""
         for k in range(len(self.masters)):
+            if self.values is not None:
+                self.masters[k].data = self.values.piece(k)
             self._swap_out(k)
         self._drain_writes(0)
+
+    def _buffer(self) -> torch.Tensor:
+        if self._free:
+            return self._free.pop()
+        buffer = aligned_empty(self._largest, torch.float32, pin=self.options.pin_memory)
+        self._pooled.add(buffer.data_ptr())
+        return buffer
+
+    def _release(self, tensor: torch.Tensor) -> None:
+        """A written tensor: back to the pool if it is a pool buffer (else it is simply freed)."""
+        if tensor.data_ptr() in self._pooled:
+            self._free.append(tensor.view(-1).as_strided((self._largest,), (1,)))
 
 
 _EMPTY = torch.empty(0)

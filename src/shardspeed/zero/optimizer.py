@@ -19,8 +19,10 @@ tensor per group for stages 1 and 2), copies masters back to the model's dtype a
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +35,16 @@ from ..precision import LossScaler, StaticLossScaler
 from .flat import FlatLayout, logical_shape
 from .init import full_value, is_init_sharded
 from .offload import OffloadOptions, SwappedStates
-from .partitioned import ShardedParameters, Stage3Options, Unit, plan_units
+from .partitioned import (
+    MemoryShard,
+    ShardedParameters,
+    Stage3Options,
+    SwappedShard,
+    Unit,
+    plan_units,
+)
 from .reducer import GradientReducer
+from .swap import NvmeSwapper
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -131,33 +141,20 @@ class ZeroOptimizer:
         self.sharded_params: ShardedParameters | None = None
         self.model_flat: torch.Tensor | None = None
         if self.stage == 3:
-            offsets = [0]
-            for s, e in self.shard_ranges:
-                offsets.append(offsets[-1] + e - s)
-            # offload_param keeps the shard in (pinned) host memory; units gather on the device.
-            shard_device = torch.device("cpu") if self.offload.param_device != "none" else device
-            pin = shard_device != device and self.offload.pin_memory and torch.cuda.is_available()
-            shard = torch.empty(offsets[-1], dtype=model_dtype, device=shard_device, pin_memory=pin)
+            sizes = [e - s for s, e in self.shard_ranges]
+            store = self._shard_store(sizes, model_dtype, device)
             for regions in unit_regions:
                 start, end = self.layout.groups[regions[0]][0], self.layout.groups[regions[-1]][1]
                 buffer = self._whole(start, end, model_dtype, device)
                 for r in regions:
                     s, e = self.shard_ranges[r]
-                    shard[offsets[r] : offsets[r] + e - s].copy_(buffer[s - start : e - start])
+                    store.write(r, buffer[s - start : e - start])
                     for p in region_params[r]:
-                        # zero.Init's slice now lives in `shard`: free it unit by unit, so the
+                        # zero.Init's slice now lives in the store: free it unit by unit, so the
                         # rank never holds its share of the model twice.
                         p.__dict__.pop("ds_shard", None)
             self.sharded_params = ShardedParameters(
-                units,
-                self.layout,
-                unit_regions,
-                offsets,
-                shard,
-                self.params,
-                dp_group,
-                stage3,
-                device,
+                units, self.layout, unit_regions, store, self.params, dp_group, stage3, device
             )
             self.sharded_params.refresh_persistent()
         else:
@@ -192,12 +189,22 @@ class ZeroOptimizer:
         self._build_masters(model_dtype)
         self.swapped: SwappedStates | None = None
         if self.offload.device == "nvme":
-            self.swapped = SwappedStates(self.optimizer, self.masters, self.offload, get_rank())
+            store = self.sharded_params.store if self.sharded_params is not None else None
+            self.swapped = SwappedStates(
+                self.optimizer,
+                self.masters,
+                [e - s for s, e in self.shard_ranges]
+                if self.stage >= 1
+                else [m.numel() for m in self.masters],
+                self.offload,
+                get_rank(),
+                store if isinstance(store, SwappedShard) else None,
+            )
             self.swapped.check_space()
         if self.sharded_params is not None and self.master_flat is not None:
             # GatheredParameters(modifier_rank=...) changed the shard: the fp32 master follows.
             self.sharded_params.after_write = lambda: self.master_flat.copy_(
-                self.sharded_params.shard
+                self.sharded_params.store.flat
             )
         self.reducer = self._build_reducer(reduce, device) if dp_world_size > 1 else None
         self._hooks = [
@@ -221,6 +228,31 @@ class ZeroOptimizer:
             broadcast(buffer, src=_group_rank_to_global(self.dp_group, 0), group=self.dp_group)
         return buffer
 
+    def _shard_store(
+        self, sizes: list[int], dtype: torch.dtype, device: torch.device
+    ) -> MemoryShard | SwappedShard:
+        """Where stage 3 keeps this rank's shard: device memory, host memory (`offload_param`
+        cpu, pinned where a GPU exists) or swap files (`offload_param` nvme)."""
+        where = self.offload.param_device
+        if where == "nvme":
+            if dtype != torch.float32 or self.offload.device != "nvme":
+                raise ValueError(
+                    "'zero_optimization.offload_param.device' nvme needs an fp32 model and "
+                    "'offload_optimizer.device' nvme (the shard is then the fp32 master, stepped "
+                    "piece by piece with the optimizer states)"
+                )
+            self._param_swapper = NvmeSwapper(
+                self.offload.param_nvme_path, get_rank(), self.offload.aio
+            )
+            return SwappedShard(self._param_swapper, sizes, dtype)
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        shard_device = torch.device("cpu") if where == "cpu" else device
+        pin = shard_device != device and self.offload.pin_memory and torch.cuda.is_available()
+        flat = torch.empty(offsets[-1], dtype=dtype, device=shard_device, pin_memory=pin)
+        return MemoryShard(flat, offsets)
+
     def _build_masters(self, model_dtype: torch.dtype) -> None:
         """fp32 master tensors the torch optimizer steps on, and where they sit."""
         fp32 = model_dtype == torch.float32
@@ -236,8 +268,17 @@ class ZeroOptimizer:
             return
         # Stages 1 to 3: this rank's shard of every region. In fp32 the shard of the model buffer
         # is itself the master copy, so there is no second one.
+        if self.sharded_params is not None and isinstance(self.sharded_params.store, SwappedShard):
+            # The masters are the swapped shard: in memory only around their own step.
+            self.master_flat = None
+            self.masters = [nn.Parameter(torch.empty(0)) for _ in self.shard_ranges]
+            by_group = [[] for _ in self.optimizer.param_groups]
+            for master, group in zip(self.masters, self.region_group):
+                by_group[group].append(master)
+            _swap_params(self.optimizer, by_group, per_param=False)
+            return
         own = (
-            self._split_shard(self.sharded_params.shard)
+            [self.sharded_params.store.piece(r) for r in range(len(self.shard_ranges))]
             if self.sharded_params is not None
             else [self.model_flat[s:e] for s, e in self.shard_ranges]
         )
@@ -328,6 +369,8 @@ class ZeroOptimizer:
         self._hooks = []
         if self.swapped is not None:
             self.swapped.close()
+        if getattr(self, "_param_swapper", None) is not None:
+            self._param_swapper.close()
 
     def _add_own_part(self, start: int, end: int, reduced: torch.Tensor) -> None:
         for rank, a, b, offset in self.layout.owners(start, end):
@@ -409,14 +452,14 @@ class ZeroOptimizer:
             grads = self._host_grads(grads)
         if factor != 1.0:
             grads.mul_(factor)
-        self._attach(grads)
         if self.swapped is not None:
-            self.swapped.step()
+            self.swapped.step(self._split_shard(grads))  # each master's gradient, in turn
         else:
+            self._attach(grads)
             self.optimizer.step()
-        if grads is not self._attached:
-            for master in self.masters:
-                master.grad = None  # a temporary fp32 copy: let it go now
+            if grads is not self._attached:
+                for master in self.masters:
+                    master.grad = None  # a temporary fp32 copy: let it go now
         self.publish()
         self.loss_scaler.update(False)
         self.zero_grad()
@@ -447,7 +490,7 @@ class ZeroOptimizer:
             return
         if self.sharded_params is not None:
             if self.master_flat is not None:
-                self.sharded_params.shard.copy_(self.master_flat)
+                self.sharded_params.store.flat.copy_(self.master_flat)
             self.sharded_params.refresh_persistent()  # the other units gather on their next use
             return
         if self.master_flat is not None:
@@ -534,6 +577,29 @@ class ZeroOptimizer:
             pieces.append(own)
         return pieces
 
+    def master_numel(self, k: int) -> int:
+        """Elements of master `k` (also while it is swapped out)."""
+        if self.stage == 0:
+            return self.masters[k].numel()
+        s, e = self.shard_ranges[k]
+        return e - s
+
+    def master_value(self, k: int) -> torch.Tensor:
+        """Master `k` as a flat tensor (read from its swap file under parameter offload to NVMe)."""
+        store = self.sharded_params.store if self.sharded_params is not None else None
+        if isinstance(store, SwappedShard):
+            return store.piece(k)
+        return self.masters[k].detach().reshape(-1)
+
+    @contextlib.contextmanager
+    def writable_master(self, k: int) -> Iterator[torch.Tensor]:
+        """Master `k` as a flat tensor to write into (a load); stored back when swapped."""
+        value = self.master_value(k)
+        yield value
+        store = self.sharded_params.store if self.sharded_params is not None else None
+        if isinstance(store, SwappedShard):
+            store.write(k, value)
+
     def state_of(self, k: int) -> dict[str, Any]:
         """Master `k`'s optimizer state, swapped-out states read back (for a checkpoint)."""
         if self.swapped is not None:
@@ -560,7 +626,7 @@ class ZeroOptimizer:
         ]
         params = list(self.module.parameters())
         if self.sharded_params is not None:
-            params += [self.sharded_params.shard, *self.sharded_params.buffers.values()]
+            params += [*self.sharded_params.store.tensors(), *self.sharded_params.buffers.values()]
         return {
             "parameters": params,
             "gradients": grads,

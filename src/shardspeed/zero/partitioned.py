@@ -141,6 +141,60 @@ def plan_units(
     return [u for u in units if u.params or u.persistent]
 
 
+class MemoryShard:
+    """This rank's shard of the parameters as one flat tensor, a piece per region."""
+
+    def __init__(self, flat: torch.Tensor, offsets: list[int]) -> None:
+        self.flat, self.offsets = flat, offsets
+        self.dtype, self.device = flat.dtype, flat.device
+
+    def piece(self, r: int) -> torch.Tensor:
+        return self.flat[self.offsets[r] : self.offsets[r + 1]]
+
+    def write(self, r: int, values: torch.Tensor) -> None:
+        self.piece(r).copy_(values)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.flat]
+
+
+class SwappedShard:
+    """This rank's shard of the parameters in swap files, one per region (`offload_param` nvme).
+
+    `piece` reads a region into a fresh host buffer; `write` (and `write_async`) store one.
+    """
+
+    def __init__(self, swapper: Any, sizes: list[int], dtype: torch.dtype) -> None:
+        self.swapper, self.sizes = swapper, sizes
+        self.dtype, self.device = dtype, torch.device("cpu")
+        for r, size in enumerate(sizes):
+            swapper.reserve(self.key(r), size * dtype.itemsize)
+
+    @staticmethod
+    def key(r: int) -> str:
+        return f"param.{r}"
+
+    def read_async(self, r: int) -> tuple[torch.Tensor, Any]:
+        from .swap import aligned_empty
+
+        buffer = aligned_empty(self.sizes[r], self.dtype)
+        return buffer, self.swapper.read(self.key(r), buffer)
+
+    def piece(self, r: int) -> torch.Tensor:
+        buffer, done = self.read_async(r)
+        done.result()
+        return buffer
+
+    def write_async(self, r: int, values: torch.Tensor) -> Any:
+        return self.swapper.write(self.key(r), values.detach().contiguous())
+
+    def write(self, r: int, values: torch.Tensor) -> None:
+        self.write_async(r, values).result()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []
+
+
 class _Trace:
     """The order units were used in during one pass (a forward and its backward)."""
 
@@ -171,25 +225,24 @@ class _Trace:
 
 
 class ShardedParameters:
-    """Gathers and releases units of parameters kept as shards in `shard` (this rank's 1/N)."""
+    """Gathers and releases units of parameters kept as shards in `store` (this rank's 1/N)."""
 
     def __init__(
         self,
         units: list[Unit],
         layout: FlatLayout,
         unit_regions: list[range],
-        shard_offsets: list[int],
-        shard: torch.Tensor,
+        store: MemoryShard | SwappedShard,
         params: list[nn.Parameter],
         group: Any,
         options: Stage3Options | None = None,
         device: torch.device | None = None,
     ) -> None:
         self.units, self.layout, self.unit_regions = units, layout, unit_regions
-        self.shard_offsets, self.shard, self.group = shard_offsets, shard, group
+        self.store, self.group = store, group
         # Where gathered units live: the training device, also when `offload_param` keeps the
-        # shard in host memory (each gather then copies this rank's piece over first).
-        self.device = device or shard.device
+        # shard in host memory or in swap files (each gather then copies this rank's piece over).
+        self.device = device or store.device
         self.options = options or Stage3Options()
         self.index = {p: i for i, p in enumerate(params)}
         self.params = params
@@ -208,7 +261,7 @@ class ShardedParameters:
             )
         self.buffers: dict[int, torch.Tensor] = {}
         self._kept: set[int] = set()  # finished units kept whole because they are reused soon
-        self._empty = torch.empty(0, dtype=shard.dtype, device=self.device)
+        self._empty = torch.empty(0, dtype=store.dtype, device=self.device)
         self._pending: list[int] = [len(u.params) for u in units]
         self.unit_of = [0] * len(params)
         for u, unit in enumerate(units):
@@ -273,14 +326,13 @@ class ShardedParameters:
 
     def _launch(self, u: int) -> None:
         start, end = self.span(u)
-        buffer = torch.empty(end - start, dtype=self.shard.dtype, device=self.device)
+        buffer = torch.empty(end - start, dtype=self.store.dtype, device=self.device)
         works = []
         for r in self.unit_regions[u]:
             r_start, r_end = self.layout.groups[r]
             size = (r_end - r_start) // self.layout.shards
             if size:
-                mine = self.shard[self.shard_offsets[r] : self.shard_offsets[r] + size]
-                mine = mine.to(self.device, non_blocking=True)
+                mine = self.store.piece(r).to(self.device, non_blocking=True)
                 out = buffer[r_start - start : r_end - start]
                 works.append(all_gather_into_tensor(out, mine, group=self.group, async_op=True))
         self._in_flight[u] = (buffer, works)
@@ -392,8 +444,7 @@ class ShardedParameters:
         for r in self.unit_regions[u]:
             r_start, r_end = self.layout.groups[r]
             size = (r_end - r_start) // self.layout.shards
-            mine = buffer[r_start - start + rank * size :][:size]
-            self.shard[self.shard_offsets[r] : self.shard_offsets[r] + size].copy_(mine)
+            self.store.write(r, buffer[r_start - start + rank * size :][:size])
         if self.after_write is not None:
             self.after_write()
 
