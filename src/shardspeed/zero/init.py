@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import all_gather_into_tensor, broadcast, init_distributed
+from .offload import return_large_blocks_to_the_os
 
 
 class Init:
@@ -68,6 +69,7 @@ class Init:
 
     def __enter__(self) -> Init:
         if self.enabled:
+            return_large_blocks_to_the_os()
             for cls in _subclasses(nn.Module):
                 if "__init__" in cls.__dict__:
                     original = cls.__dict__["__init__"]

@@ -79,7 +79,7 @@ class SwappedStates:
         # Read buffers, reused: a fixed set keeps resident memory flat (freed and reallocated
         # buffers of this size would stay in the allocator's arena anyway).
         self._largest = max(sizes)
-        _return_large_blocks_to_the_os()
+        return_large_blocks_to_the_os()
         self._free: list[torch.Tensor] = []
         self._pooled: set[int] = set()
 
@@ -193,13 +193,14 @@ class SwappedStates:
 _EMPTY = torch.empty(0)
 
 
-def _return_large_blocks_to_the_os() -> None:
+def return_large_blocks_to_the_os() -> None:
     """Keep glibc from parking freed multi-megabyte blocks in its heap.
 
     glibc serves a large allocation with mmap, but after one is freed it raises its threshold to
     that size, so later ones come from the heap and their memory stays with the process after
-    `free`. Offload exists to keep resident memory low: a fixed threshold makes large tensors
-    (the first step's optimizer states, before they go to disk) return to the OS when freed.
+    `free`. Offload and zero.Init exist to keep resident memory low: a fixed threshold makes
+    large tensors (a module's whole parameters before zero.Init slices them, the first step's
+    optimizer states before they go to disk) return to the OS when freed.
     """
     try:
         import ctypes
