@@ -259,7 +259,8 @@ class ShardedParameters:
                 f"alone holds {self.numel[largest]} elements: raise the limit to at least that, "
                 "or split the model into smaller units with 'zero_optimization.leaf_module'"
             )
-        self.buffers: dict[int, torch.Tensor] = {}
+        self.buffers: dict[int, torch.Tensor] = {}  # units whole now
+        self._whole_copies: dict[int, torch.Tensor] = {}  # each unit's buffer, storage kept
         self._kept: set[int] = set()  # finished units kept whole because they are reused soon
         self._empty = torch.empty(0, dtype=store.dtype, device=self.device)
         self._pending: list[int] = [len(u.params) for u in units]
@@ -317,6 +318,16 @@ class ShardedParameters:
             offset = self.layout.offsets[i] - start
             p.data = buffer.narrow(0, offset, self.layout.numels[i]).view(self.layout.shapes[i])
 
+    def _unit_buffer(self, u: int, numel: int) -> torch.Tensor:
+        """Unit `u`'s whole-copy buffer: one storage for the unit's life, sized to 0 when released."""
+        buffer = self._whole_copies.get(u)
+        if buffer is None:
+            buffer = torch.empty(numel, dtype=self.store.dtype, device=self.device)
+            self._whole_copies[u] = buffer
+        else:
+            buffer.untyped_storage().resize_(numel * buffer.element_size())
+        return buffer
+
     def _make_room(self, elements: int) -> None:
         """Release kept units until `elements` more fit under stage3_max_live_parameters."""
         for v in sorted(self._kept):
@@ -326,7 +337,7 @@ class ShardedParameters:
 
     def _launch(self, u: int) -> None:
         start, end = self.span(u)
-        buffer = torch.empty(end - start, dtype=self.store.dtype, device=self.device)
+        buffer = self._unit_buffer(u, end - start)
         works = []
         for r in self.unit_regions[u]:
             r_start, r_end = self.layout.groups[r]
@@ -385,7 +396,10 @@ class ShardedParameters:
             return
         for p in self.units[u].params:
             p.data = self._empty
-        del self.buffers[u]
+        # Autograd may still hold views of the unit (a Linear saves its weight's transpose):
+        # freeing the storage itself, not just our reference, is what returns the memory. The
+        # pre-backward hook refills this same storage before those views are read again.
+        self.buffers.pop(u).untyped_storage().resize_(0)
 
     def refresh_persistent(self) -> None:
         """Re-gather the persistent unit after the shards changed (the optimizer stepped)."""
