@@ -121,13 +121,13 @@ def test_leaf_modules_make_their_own_units(pool2, expected):
     for result in [*by_name, *by_class]:
         assert_close_relative(result["params"], expected, 1e-5)
     assert by_name[0]["units"] == [
-        "(persistent)",
-        "emb",
-        "blocks.0",
-        "blocks.1",
-        "blocks.2",
-        "blocks.3",
         "head",
+        "blocks.3",
+        "blocks.2",
+        "blocks.1",
+        "blocks.0",
+        "emb",
+        "(persistent)",
     ]
     assert by_class[0]["units"] == by_name[0]["units"]
 

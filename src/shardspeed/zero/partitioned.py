@@ -97,7 +97,7 @@ def leaf_modules(module: nn.Module, options: Stage3Options) -> set[nn.Module]:
 def plan_units(
     module: nn.Module, params: Sequence[nn.Parameter], options: Stage3Options
 ) -> list[Unit]:
-    """Split `params` (the trainable ones) into units, persistent unit first."""
+    """Split `params` (the trainable ones) into units, in backward's order (see below)."""
     leaves = leaf_modules(module, options)
     roots: list[tuple[str, nn.Module]] = []
     unit_of_module: dict[nn.Module, int] = {}
@@ -133,10 +133,18 @@ def plan_units(
             persistent.append(p)
             budget -= numel
     kept = set(persistent)
-    units = [Unit(persistent, persistent=True, name="(persistent)")]
+    units = []
     for index, (name, root) in enumerate([*roots, ("(rest of the model)", module)]):
         owned = [p for p in params if p not in kept and min(homes[p]) == index]
         units.append(Unit(owned, [root], name=name))
+    # Units are laid out in the order backward finishes them: the last block first, the rest of
+    # the model (its embeddings get gradients last) and the persistent unit at the end. Gradient
+    # buckets are reduced in layout order, so any other order holds every bucket until the end.
+    units = [
+        *reversed(units[:-1]),
+        units[-1],
+        Unit(persistent, persistent=True, name="(persistent)"),
+    ]
     assert sum(len(u.params) for u in units) == len(managed)
     return [u for u in units if u.params or u.persistent]
 
