@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..comm import barrier, get_rank, get_world_size
+from ..zero.offload import per_element
 from .format import (
     DTYPE_NAMES,
     DTYPES,
@@ -185,11 +186,7 @@ def _collect(
             flat = zopt.master_value(k)
             tensors[f"master.{k}"] = flat
             state = zopt.state_of(k)
-            sized = {
-                n: v.reshape(-1)
-                for n, v in state.items()
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == flat.numel()
-            }
+            sized = {n: v.reshape(-1) for n, v in state.items() if per_element(v, flat.numel())}
             for n, v in sized.items():
                 tensors[f"optim.{n}.{k}"] = v.detach()
             for name, start, offset, length in pieces:

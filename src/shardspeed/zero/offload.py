@@ -45,14 +45,10 @@ class OffloadOptions:
         return self.device != "none"
 
 
-def per_element(value: Any, master: torch.Tensor) -> bool:
-    """An optimizer state with one value per element of its master (Adam's moments, not its step)."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape
-
-
-def _per_element(value: Any, size: int) -> bool:
-    """`per_element` for a flat master of `size` elements that may be swapped out right now."""
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == size
+def per_element(value: Any, numel: int) -> bool:
+    """An optimizer state with one value per element of a master of `numel` elements (Adam's
+    moments, not its 0-dimensional step); the master itself may be swapped out right now."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
 
 
 class SwappedStates:
@@ -135,7 +131,7 @@ class SwappedStates:
     def _swap_out(self, k: int) -> None:
         master = self.masters[k]
         state = self.optimizer.state[master]
-        names = [n for n, v in state.items() if _per_element(v, self.sizes[k])]
+        names = [n for n, v in state.items() if per_element(v, self.sizes[k])]
         pending = []
         for name in names:
             tensor = state[name]

@@ -214,8 +214,9 @@ class _Op:
         self.write = write
         self.key = key
         self.region = region
-        self.keep = tensor  # keeps the memory alive until the I/O is done
-        self.view = _byte_view(tensor)
+        # Both keep the tensor's memory alive until the I/O is done; dropped once it is.
+        self.keep: torch.Tensor | None = tensor
+        self.view: memoryview | None = _byte_view(tensor)
         self.address = tensor.data_ptr()
         n = region.nbytes
         self.requests = [(off, min(block, n - off)) for off in range(0, n, block)]
@@ -401,7 +402,7 @@ class _Engine:
             op.future.set_result(op.keep)
         else:
             op.future.set_exception(err)
-        op.keep = op.view = None  # type: ignore[assignment]
+        op.keep = op.view = None
         with self.lock:
             if err is not None:
                 self.errors.append(err)
