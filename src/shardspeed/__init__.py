@@ -92,6 +92,7 @@ _SUBMODULES = (
     "launcher",
     "ops",
     "optim",
+    "pipe",
     "precision",
     "runtime",
     "testing",

@@ -171,7 +171,11 @@ def _collect(
     JSON state)."""
     zopt = engine.optimizer
     logical: dict[str, dict[str, Any]] = {}
-    rank, writes_replicated = get_rank(), get_rank() == 0
+    rank = get_rank()
+    # What every replica of a stage holds alike, the first replica writes: rank 0 without a
+    # pipeline, data-parallel rank 0 of each stage with one.
+    topology = engine.topology
+    writes_replicated = topology.dp_rank == 0 if topology.num_stages > 1 else rank == 0
 
     def add(name: str, key: str, value: torch.Tensor, start: int, length: int, shape) -> None:
         entry = logical.setdefault(
@@ -216,7 +220,7 @@ def _collect(
             logical[f"buffer/{name}"]["pieces"][-1].append(0)
 
     rank_state: dict[str, Any] = {"rng": encode(_rng_state(), tensors, f"rng.{rank}.")}
-    if writes_replicated:
+    if rank == 0:
         rank_state["shared"] = {
             "optimizer": _optimizer_json(zopt, tensors),
             "loss_scaler": encode(zopt.loss_scaler.state_dict(), tensors, "extra."),
@@ -291,7 +295,9 @@ def _publish_tag(
         files.update(report["file"])
         for name, entry in report["tensors"].items():
             merged = tensors.setdefault(name, {**entry, "pieces": []})
-            merged["pieces"].extend(entry["pieces"])
+            # A weight tied across pipeline stages is written by each: keep one copy of a range.
+            have = {tuple(p[2:4]) for p in merged["pieces"]}  # (start, length)
+            merged["pieces"].extend(p for p in entry["pieces"] if tuple(p[2:4]) not in have)
     zopt = engine.optimizer
     manifest = {
         "format": FORMAT,
@@ -300,6 +306,7 @@ def _publish_tag(
         "written_by": {
             "world_size": get_world_size(),
             "dp_world_size": engine.dp_world_size,
+            "pipeline_stages": engine.topology.num_stages,
             "zero_stage": zopt.stage,
             "model_dtype": DTYPE_NAMES[zopt.params[0].dtype],
             "exclude_frozen_parameters": exclude_frozen,
@@ -460,6 +467,8 @@ def _check_names(
         model = {n for n, p in params.items() if p.requires_grad}
     # Second names of shared parameters and buffers may be present without being parameters.
     known = model | set(_aliases(engine.module)) | {n for n, _ in engine.module.named_buffers()}
+    if engine.topology.num_stages > 1:  # a name is expected if any stage holds it
+        known = set().union(*map(set, all_gather_json(sorted(known))))
     missing, unexpected = sorted(model - saved), sorted(saved - known)
     if strict and (missing or unexpected):
         raise CheckpointError(

@@ -18,7 +18,6 @@ Section = dict[str, Any] | None
 
 ISSUE_CHECKPOINT = "issue 5 (checkpoints)"
 ISSUE_OFFLOAD = "issue 6 (CPU and NVMe offload)"
-ISSUE_PIPE = "issue 7 (pipeline parallelism)"
 ISSUE_TP = "issue 8 (tensor parallelism, activation checkpointing)"
 ISSUE_MOE = "issue 9 (mixture of experts)"
 ISSUE_INFERENCE = "issue 10 (inference and hybrid engine)"
@@ -203,11 +202,31 @@ class LeafModuleConfig(StrictModel):
 
 
 class ParallelWriteConfig(StrictModel):
-    """`checkpoint.parallel_write`: pipeline stages writing their layers in parallel."""
+    """`checkpoint.parallel_write`: pipeline stages writing their layers in parallel.
+
+    shardspeed always does: every stage writes its own file (and every data-parallel rank its
+    shard at ZeRO stages 1 and 2), so either value gives the same parallel save.
+    """
 
     pipeline_stage: bool = False
 
-    not_supported_until: ClassVar[dict[str, str]] = {"pipeline_stage": ISSUE_PIPE}
+
+class PipelineConfig(StrictModel):
+    """`pipeline`: for a `PipelineModule`; each key is checked against the module it configures.
+
+    `schedule` (a shardspeed key) picks the instruction lists: "1f1b" (DeepSpeed's only schedule,
+    the default), "gpipe" (fill-drain) or "interleaved_1f1b" (Megatron's, for a module built with
+    `virtual_stages` > 1). `pipe_partitioned` and `grad_partitioned` split activations across
+    tensor-parallel ranks in DeepSpeed, so they act only with tensor parallelism (issue 8).
+    """
+
+    stages: Literal["auto"] | PositiveInt = "auto"
+    partition: str = "best"
+    seed_layers: bool = False
+    activation_checkpoint_interval: NonNegativeInt = 0
+    pipe_partitioned: bool = True
+    grad_partitioned: bool = True
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
 
 
 class CheckpointConfig(StrictModel):
@@ -287,7 +306,9 @@ class ZeroConfig(StrictModel):
         "legacy_stage1": NOT_PLANNED,
         "parameter_alignment": NOT_PLANNED,
         "load_from_fp32_weights": "shardspeed checkpoints always restore masters from fp32 values",
-        "pipeline_loading_checkpoint": ISSUE_PIPE,
+        "pipeline_loading_checkpoint": (
+            "ZeRO stage 3 does not combine with pipeline parallelism (nor does it in DeepSpeed)"
+        ),
         "zenflow": ISSUE_OFFLOAD,
         "save_muon_momentum_buffer_in_memory": NOT_PLANNED,
         "zero_quantized_gradients": ISSUE_TOOLS,
@@ -370,7 +391,7 @@ class ShardSpeedConfig(StrictModel):
     vocabulary_size: PositiveInt | None = None
     activation_checkpointing: Section = None
     flops_profiler: Section = None
-    pipeline: Section = None
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
     autotuning: Section = None
     data_efficiency: Section = None
@@ -404,7 +425,6 @@ class ShardSpeedConfig(StrictModel):
         "vocabulary_size": NOT_PLANNED,
         "activation_checkpointing": ISSUE_TP,
         "flops_profiler": ISSUE_TOOLS,
-        "pipeline": ISSUE_PIPE,
         "autotuning": ISSUE_TOOLS,
         "data_efficiency": NOT_PLANNED,
         "torch_autocast": NOT_PLANNED,

@@ -10,6 +10,7 @@ from torch import nn
 from .. import comm
 from ..comm import init_distributed
 from ..config import ConfigError, load_config, non_default_settings
+from ..pipe import PipelineEngine, PipelineModule
 from .engine import ShardSpeedEngine
 
 
@@ -35,13 +36,17 @@ def initialize(
         raise ConfigError("mesh_param is not supported yet (issue 8: 3D topologies)")
     source = _config_source(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    topology = comm.Topology.build(mpu)
+    pipelined = isinstance(model, PipelineModule)
+    if pipelined and mpu is not None:
+        raise ValueError("a PipelineModule brings its own topology: do not pass mpu as well")
+    topology = model.topo if pipelined else comm.Topology.build(mpu)
     run_config = load_config(source, topology.dp_world_size)
     logger = logging.getLogger("shardspeed")
     logger.info(
-        "world size %d (data parallel %d), batch %d = micro %d x accumulation %d x %d ranks",
+        "world size %d (data parallel %d, pipeline stages %d), batch %d = micro %d x accumulation %d x %d ranks",
         topology.world_size,
         topology.dp_world_size,
+        topology.num_stages,
         run_config.train_batch_size,
         run_config.train_micro_batch_size_per_gpu,
         run_config.gradient_accumulation_steps,
@@ -49,7 +54,8 @@ def initialize(
     )
     for line in non_default_settings(run_config):
         logger.info("config: %s", line)
-    engine = ShardSpeedEngine(
+    engine_class = PipelineEngine if pipelined else ShardSpeedEngine
+    engine = engine_class(
         model,
         run_config,
         topology,

@@ -170,7 +170,12 @@ class ShardSpeedEngine(nn.Module):
             ignore_unused_parameters=zero.ignore_unused_parameters,
             stage3=stage3_options(zero),
             offload=offload_options(config),
+            **self._sharding_layout(),
         )
+
+    def _sharding_layout(self) -> dict[str, Any]:
+        """Extra layout for the optimizer's flat buffers (a pipeline stage's chunks and ties)."""
+        return {}
 
     def _build_scheduler(self, client: Any) -> Any:
         if client is not None and self.config.scheduler is not None:
@@ -262,21 +267,25 @@ class ShardSpeedEngine(nn.Module):
             raise RuntimeError("step() needs an optimizer: pass one or add an 'optimizer' section")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            with self._timed("step"):
-                self._step_applied = self.optimizer.step()
-            if self._step_applied:
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step(**(lr_kwargs or {}))
-            else:
-                self.skipped_steps += 1
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
-            self._report()
-            if self.global_steps == 1:
-                sizes = ", ".join(f"{k} {_size(v)}" for k, v in self.memory_breakdown().items())
-                logger.info("model state held per rank after the first step: %s", sizes)
+            self._apply_step(lr_kwargs)
         self.micro_steps += 1
         self._prepare_micro_step()
+
+    def _apply_step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """The boundary's work: the optimizer step, the LR schedule, the counters, the report."""
+        with self._timed("step"):
+            self._step_applied = self.optimizer.step()
+        if self._step_applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        else:
+            self.skipped_steps += 1
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._report()
+        if self.global_steps == 1:
+            sizes = ", ".join(f"{k} {_size(v)}" for k, v in self.memory_breakdown().items())
+            logger.info("model state held per rank after the first step: %s", sizes)
 
     def _reduces_this_micro_step(self) -> bool:
         return self.is_gradient_accumulation_boundary() and not self._in_no_sync

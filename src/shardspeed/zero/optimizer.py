@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,8 +76,25 @@ class GatherOptions:
     all_gather: bool = True
 
 
+@dataclass(frozen=True)
+class TiedParameters:
+    """Weights that ranks outside the data-parallel group hold copies of (a pipeline's embedding
+    reused as its output head): their gradients are summed over `group` before each step, and the
+    copy on global rank `source` is the one counted in the gradient norm."""
+
+    params: tuple[nn.Parameter, ...]
+    group: Any
+    source: int
+
+
 class ZeroOptimizer:
-    """Wraps a torch optimizer for ZeRO stage 0, 1 or 2 (see module docstring)."""
+    """Wraps a torch optimizer for ZeRO stage 0, 1 or 2 (see module docstring).
+
+    For a pipeline stage: `segments` are the parameter sets that separate backward passes visit
+    (a rank's model chunks), each laid out contiguously with buckets of its own; `ties` are
+    weights shared with other stages; `norm_group` joins the ranks whose gradients together make
+    the model's (the stages), for the global norm.
+    """
 
     def __init__(
         self,
@@ -96,6 +113,9 @@ class ZeroOptimizer:
         ignore_unused_parameters: bool = True,
         stage3: Stage3Options | None = None,
         offload: OffloadOptions | None = None,
+        segments: Sequence[Sequence[nn.Parameter]] = (),
+        ties: Sequence[TiedParameters] = (),
+        norm_group: Any = None,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -109,22 +129,29 @@ class ZeroOptimizer:
         self.dp_group, self.dp_rank, self.dp_world_size = dp_group, dp_rank, dp_world_size
         self.gather = gather or GatherOptions()
 
+        self.norm_group = norm_group
         groups = _managed_groups(module, optimizer)
-        # A region is what the optimizer steps as one tensor: a param group, or at stage 3 the
-        # part of a param group inside one gather unit.
-        units = (
-            plan_units(module, [p for g in groups for p in g], stage3 or Stage3Options())
-            if self.stage == 3
-            else []
-        )
-        regions, self.region_group, unit_regions = _regions(groups, units)
+        # A region is what the optimizer steps as one tensor: the part of a param group inside
+        # one block. Blocks are stage 3's gather units, or a pipeline stage's tied weights and
+        # chunks; otherwise there is one block and a region is a param group.
+        units: list[Unit] = []
+        if self.stage == 3:
+            if segments or ties:
+                raise ValueError("ZeRO stage 3 does not combine with pipeline parallelism")
+            units = plan_units(module, [p for g in groups for p in g], stage3 or Stage3Options())
+            blocks, block_segment = [u.params for u in units], [0] * len(units)
+            block_tie: list[int | None] = [None] * len(units)
+        else:
+            blocks, block_segment, block_tie = _blocks(groups, segments, ties)
+        regions, self.region_group, block_regions = _regions(groups, blocks)
         self.offload = offload or OffloadOptions()
         if self.stage >= 1:
             # sub_group_size: no master tensor (what the optimizer steps, and offload swaps) is
             # larger than this, whole parameters permitting.
-            regions, self.region_group, unit_regions = _split_regions(
-                regions, self.region_group, unit_regions, self.offload.sub_group_size
+            regions, self.region_group, block_regions = _split_regions(
+                regions, self.region_group, block_regions, self.offload.sub_group_size
             )
+        unit_regions = block_regions if units else []
         self.params = [p for region in regions for p in region]
         names = {p: n for n, p in module.named_parameters()}
         self.param_names = [names[p] for p in self.params]
@@ -134,6 +161,23 @@ class ZeroOptimizer:
         self.layout = FlatLayout.of(regions, dp_world_size if self.stage >= 1 else 1)
         region_params = regions
         self.shard_ranges = [self.layout.shard(r, dp_rank) for r in range(len(regions))]
+        first_param = [0]
+        for region in regions:
+            first_param.append(first_param[-1] + len(region))
+        self._segment_starts = tuple(
+            first_param[block_regions[block_segment.index(s)].start]
+            for s in range(max(block_segment) + 1)
+        )
+        # Where each tie's gradients sit in this rank's owned gradients (the same elements on
+        # every rank of the tie: its block is laid out alike there), and the spans the norm counts.
+        self._ties = [
+            (self._owned_span(block_regions[b]), ties[t])
+            for b, t in enumerate(block_tie)
+            if t is not None
+        ]
+        uncounted = sorted(span for span, tie in self._ties if tie.source != get_rank())
+        total = self.layout.total if self.stage == 0 else self.layout.shard_numel()
+        self._counted_spans = _complement(uncounted, total)
 
         # Model weights: one buffer, every parameter a view into it, identical on every rank.
         # At stage 3 only this rank's shard of that buffer is kept (built one unit at a time, so
@@ -213,6 +257,15 @@ class ZeroOptimizer:
         ]
 
     # -- construction -----------------------------------------------------------------------------
+
+    def _owned_span(self, regions: range) -> tuple[int, int]:
+        """[start, end) of consecutive `regions` in this rank's owned gradients (`_owned_grads`):
+        the whole layout at stage 0, the concatenated shards otherwise."""
+        if self.stage == 0:
+            return self.layout.groups[regions.start][0], self.layout.groups[regions.stop - 1][1]
+        sizes = [e - s for s, e in self.shard_ranges]
+        start = sum(sizes[: regions.start])
+        return start, start + sum(sizes[regions.start : regions.stop])
 
     def _whole(
         self, start: int, end: int, dtype: torch.dtype, device: torch.device
@@ -325,6 +378,7 @@ class ZeroOptimizer:
             overlap=options.overlap,
             # Stage 2 must not hold every bucket at once: that would be the full gradient again.
             max_in_flight=2 if self.stage >= 2 else None,
+            segment_starts=self._segment_starts,
         )
 
     # -- backward ---------------------------------------------------------------------------------
@@ -377,13 +431,14 @@ class ZeroOptimizer:
             if rank == self.dp_rank:
                 self.grad_shard[offset : offset + b - a].add_(reduced[a - start : b - start])
 
-    def start_micro_step(self, reduce_gradients: bool) -> None:
-        """Say before backward whether this micro-step's gradients are to be averaged.
+    def start_micro_step(self, reduce_gradients: bool, segment: int | None = None) -> None:
+        """Say before backward whether this micro-step's gradients are to be averaged, and, for a
+        backward that visits one segment only (a pipeline chunk), which.
 
         Stage 2 reduces every micro-step: it has nowhere to keep unreduced gradients.
         """
         if self.reducer is not None:
-            self.reducer.reset()
+            self.reducer.reset(segment)
             self.reducer.active = reduce_gradients or self.stage >= 2
         if self.sharded_params is not None:
             self.sharded_params.start_backward_accounting()
@@ -432,6 +487,9 @@ class ZeroOptimizer:
         """Unscale, check, clip and apply the averaged gradients; False when the step was skipped."""
         self.finish_reduction()
         grads = self._owned_grads()
+        for (start, end), tie in self._ties:
+            if end > start:
+                all_reduce(grads[start:end], group=tie.group)  # the copies' gradients, summed
         scale = self.loss_scaler.loss_scale
         # The one host sync of a step: whether to apply it depends on this norm.
         scaled_norm = self._global_norm(grads).item()
@@ -476,10 +534,20 @@ class ZeroOptimizer:
         return self._host_buffer
 
     def _global_norm(self, grads: torch.Tensor) -> torch.Tensor:
-        if self.stage == 0:
-            return torch.linalg.vector_norm(grads)
-        squares = torch.linalg.vector_norm(grads).square().reshape(1)
-        all_reduce(squares, group=self.dp_group)
+        """The norm of the whole model's gradient: shards summed over the data-parallel group,
+        stages over `norm_group`, each tied weight counted once."""
+        if len(self._counted_spans) == 1:
+            start, end = self._counted_spans[0]
+            squares = torch.linalg.vector_norm(grads[start:end]).square().reshape(1)
+        else:
+            squares = sum(
+                (torch.linalg.vector_norm(grads[a:b]).square() for a, b in self._counted_spans),
+                torch.zeros((), device=grads.device),
+            ).reshape(1)
+        if self.stage >= 1:
+            all_reduce(squares, group=self.dp_group)
+        if self.norm_group is not None:
+            all_reduce(squares, group=self.norm_group)
         return squares.sqrt()
 
     def publish(self) -> None:
@@ -705,34 +773,72 @@ def _swap_params(optimizer: torch.optim.Optimizer, masters: Any, per_param: bool
 
 
 def _regions(
-    groups: list[list[nn.Parameter]], units: list[Unit]
+    groups: list[list[nn.Parameter]], blocks: list[list[nn.Parameter]]
 ) -> tuple[list[list[nn.Parameter]], list[int], list[range]]:
-    """(regions, each region's param group, each unit's regions): unit-major when there are units."""
-    if not units:
-        return groups, list(range(len(groups))), []
-    group_of = {p: g for g, group in enumerate(groups) for p in group}
-    regions, region_group, unit_regions = [], [], []
-    for unit in units:
+    """(regions, each region's param group, each block's regions): block-major, a region per
+    param group in each block."""
+    regions, region_group, block_regions = [], [], []
+    for block in blocks:
         first = len(regions)
+        members = set(block)
         for g, group in enumerate(groups):
-            members = set(unit.params)
             regions.append([p for p in group if p in members])
             region_group.append(g)
-        unit_regions.append(range(first, len(regions)))
-    assert sum(map(len, regions)) == len(group_of)
-    return regions, region_group, unit_regions
+        block_regions.append(range(first, len(regions)))
+    assert sum(map(len, regions)) == sum(map(len, groups))
+    return regions, region_group, block_regions
+
+
+def _blocks(
+    groups: list[list[nn.Parameter]],
+    segments: Sequence[Sequence[nn.Parameter]],
+    ties: Sequence[TiedParameters],
+) -> tuple[list[list[nn.Parameter]], list[int], list[int | None]]:
+    """(blocks, each block's segment, each block's tie): for every segment its tied weights, one
+    block per tie, then the rest of it. Without segments, all parameters are one segment."""
+    managed = [p for group in groups for p in group]
+    managed_set = set(managed)
+    segments = [[p for p in s if p in managed_set] for s in segments] or [managed]
+    seen = [p for s in segments for p in s]
+    if len(seen) != len(set(seen)) or set(seen) != managed_set:
+        raise ValueError("segments must hold every parameter the optimizer steps exactly once")
+    tie_of = {p: t for t, tie in enumerate(ties) for p in tie.params}
+    blocks, block_segment, block_tie = [], [], []
+    for s, segment in enumerate(segments):
+        members = set(segment)
+        for t, tie in enumerate(ties):
+            tied = [p for p in tie.params if p in members]
+            if tied:
+                blocks.append(tied)
+                block_segment.append(s)
+                block_tie.append(t)
+        blocks.append([p for p in segment if p not in tie_of])
+        block_segment.append(s)
+        block_tie.append(None)
+    return blocks, block_segment, block_tie
+
+
+def _complement(spans: list[tuple[int, int]], total: int) -> list[tuple[int, int]]:
+    """The parts of [0, total) outside the sorted, disjoint `spans`."""
+    out, cursor = [], 0
+    for start, end in spans:
+        if start > cursor:
+            out.append((cursor, start))
+        cursor = max(cursor, end)
+    if cursor < total:
+        out.append((cursor, total))
+    return out
 
 
 def _split_regions(
     regions: list[list[nn.Parameter]],
     region_group: list[int],
-    unit_regions: list[range],
+    block_regions: list[range],
     limit: int,
 ) -> tuple[list[list[nn.Parameter]], list[int], list[range]]:
     """Split each region into runs of whole parameters holding at most `limit` elements each."""
-    out, out_group, out_units = [], [], []
-    spans = unit_regions or [range(len(regions))]
-    for span in spans:
+    out, out_group, out_blocks = [], [], []
+    for span in block_regions:
         first = len(out)
         for r in span:
             run, size = [], 0
@@ -746,8 +852,8 @@ def _split_regions(
                 size += numel
             out.append(run)
             out_group.append(region_group[r])
-        out_units.append(range(first, len(out)))
-    return out, out_group, out_units if unit_regions else []
+        out_blocks.append(range(first, len(out)))
+    return out, out_group, out_blocks
 
 
 def _reduce_scales(reduce: ReduceOptions, world: int) -> tuple[float, float]:

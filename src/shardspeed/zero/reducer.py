@@ -11,6 +11,9 @@ shard holds it (ZeRO's reduce-scatter, expressed as one reduce per owner so that
 align with shards). A bucket's storage is either a view into a full gradient buffer (stages 0 and
 1) or allocated when its first gradient arrives and freed once `on_reduced` has taken the rank's
 own part (stage 2, which never holds the full gradient).
+
+Segments (a pipeline rank's model chunks, which separate backward passes visit) never share a
+bucket; a micro-step that names a segment launches only that segment's buckets.
 """
 
 from __future__ import annotations
@@ -59,18 +62,30 @@ class GradientReducer:
     on_reduced: Callable[[int, int, torch.Tensor], None] | None = None
     overlap: bool = True
     max_in_flight: int | None = None
+    segment_starts: tuple[int, ...] = (0,)  # the first parameter index of each segment
     active: bool = False
     _buckets: list[_Bucket] = field(default_factory=list)
     _bucket_of: list[int] = field(default_factory=list)
     _next: int = 0
+    _stop: int = 0
+    _segment_buckets: list[range] = field(default_factory=list)
+    _segment_params: list[range] = field(default_factory=list)
+    _params: range = range(0)
     _in_flight: deque = field(default_factory=deque)
     _seen: bytearray = field(default_factory=bytearray)
     _dst: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for offset, numel in zip(self.layout.offsets, self.layout.numels):
+        starts = set(self.segment_starts)
+        first_bucket = []
+        for index, (offset, numel) in enumerate(zip(self.layout.offsets, self.layout.numels)):
+            while len(first_bucket) < len(self.segment_starts) and (
+                self.segment_starts[len(first_bucket)] <= index
+            ):
+                first_bucket.append(len(self._buckets))
             last = self._buckets[-1] if self._buckets else None
-            if last is None or last.end - last.start >= self.bucket_elements:
+            full = last is not None and last.end - last.start >= self.bucket_elements
+            if last is None or full or index in starts:
                 last = _Bucket(offset, offset, 0)
                 self._buckets.append(last)
             last.end, last.params = offset + numel, last.params + 1
@@ -80,6 +95,13 @@ class GradientReducer:
             bucket.end = following.start
         if self._buckets:
             self._buckets[-1].end = self.layout.total
+        first_bucket += [len(self._buckets)] * (len(self.segment_starts) - len(first_bucket))
+        ends = [*first_bucket[1:], len(self._buckets)]
+        self._segment_buckets = [range(a, b) for a, b in zip(first_bucket, ends)]
+        param_ends = [*self.segment_starts[1:], len(self.layout.offsets)]
+        self._segment_params = [range(a, b) for a, b in zip(self.segment_starts, param_ends)]
+        self._stop = len(self._buckets)
+        self._params = range(len(self.layout.offsets))
         self._seen = bytearray(len(self.layout.offsets))
         size = dist.get_world_size(self.group)
         self._dst = [
@@ -105,7 +127,7 @@ class GradientReducer:
             return
         self._seen[index] = 1
         self._buckets[self._bucket_of[index]].ready += 1
-        while self._next < len(self._buckets):
+        while self._next < self._stop:
             bucket = self._buckets[self._next]
             if bucket.ready < bucket.params:
                 break
@@ -119,17 +141,21 @@ class GradientReducer:
         """
         if not self.active:
             return []
-        for bucket in self._buckets[self._next :]:
+        for bucket in self._buckets[self._next : self._stop]:
             self._launch(bucket)
         while self._in_flight:
             self._complete(self._in_flight.popleft())
-        self._next = len(self._buckets)
+        self._next = self._stop
         self.active = False  # done for this step: a second call must not scale again
-        return [i for i, seen in enumerate(self._seen) if not seen]
+        return [i for i in self._params if not self._seen[i]]
 
-    def reset(self) -> None:
-        """Start a new micro-step: no bucket launched yet."""
-        self._next = 0
+    def reset(self, segment: int | None = None) -> None:
+        """Start a new micro-step over one segment's buckets, or all: none launched yet."""
+        buckets = range(len(self._buckets)) if segment is None else self._segment_buckets[segment]
+        self._params = (
+            range(len(self.layout.offsets)) if segment is None else self._segment_params[segment]
+        )
+        self._next, self._stop = buckets.start, buckets.stop
         for bucket in self._buckets:
             bucket.ready = 0
         self._seen = bytearray(len(self._seen))
