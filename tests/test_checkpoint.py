@@ -64,6 +64,7 @@ def session(
         "scale": engine.optimizer.loss_scale,
         "client": client,
         "after_load": after_load,
+        "stage": engine.optimizer.stage,
     }
 
 

@@ -302,10 +302,7 @@ BAD_CONFIGS = [
         {"activation_checkpointing": {"partition_activations": True}},
         "'activation_checkpointing' is a DeepSpeed key that shardspeed does not support yet (issue 8",
     ),
-    (
-        {"pipeline": {"stages": 2}},
-        "'pipeline' is a DeepSpeed key that shardspeed does not support yet (issue 7",
-    ),
+    ({"pipeline": {"schedule": "zigzag"}}, "pipeline.schedule"),
     (
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
         "'device' nvme needs 'nvme_path'",

@@ -231,3 +231,21 @@ def test_checkpoints_cross_parameter_offload(pool2, tmp_path):
     for a, b, c in zip(straight, resumed, back):
         for x, y, z in zip(a["params"], b["params"], c["params"]):
             assert torch.equal(x, y) and torch.equal(x, z)
+
+
+def _one_rank_stage(keys_: dict) -> tuple[dict, int]:
+    result = session(keys_, 8, 3)
+    return result, shardspeed.comm.get_world_size()
+
+
+def test_parameter_offload_on_one_rank_keeps_stage_3(tmp_path):
+    # One rank has nothing to shard, so stage 3 runs as stage 1 there, except when its parameters
+    # are to live off the device: offload_param must act (it was ignored on one rank before).
+    from shardspeed.testing import run_on_ranks
+
+    [(plain, world)] = run_on_ranks(_one_rank_stage, 1, keys(3, "none"))
+    [(swapped, _)] = run_on_ranks(_one_rank_stage, 1, param_nvme(str(tmp_path)))
+    assert world == 1
+    for x, y in zip(plain["params"], swapped["params"]):
+        assert torch.equal(x, y)
+    assert swapped["stage"] == 3 and plain["stage"] == 1

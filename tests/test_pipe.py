@@ -16,6 +16,7 @@ from shardspeed.config import ConfigError
 from shardspeed.pipe import LayerSpec, PipelineError
 from shardspeed.pipe.module import partition_balanced, partition_layers, partition_uniform
 from shardspeed.testing import RankFailure
+from shardspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 MICRO, GAS = 2, 4
 # fp32 against fp32: the pipeline sums micro-batch gradients where the reference takes the whole
@@ -204,6 +205,9 @@ def _save_pipelined(path: str) -> None:
 def test_checkpoint_reshards_between_pipelined_and_plain(pool4, tmp_path):
     path = str(tmp_path / "ckpt")
     pool4.run(_save_pipelined, path, timeout=180)
+    # Consolidated without any process group: one value per name, the tied embedding once.
+    whole = get_fp32_state_dict_from_zero_checkpoint(path)
+    assert sorted(whole) == sorted(dict(pm.reference_modules().named_parameters()))
     four_stages = pm.merged_params(pool4.run(_continue_pipelined, path, 4, timeout=180))
     two_stages = pm.merged_params(pool4.run(_continue_pipelined, path, 2, timeout=180))
     plain = pm.merged_params(pool4.run(_continue_plain, path, timeout=180))
@@ -257,6 +261,10 @@ def _refusals() -> list[str]:
         engine.train_batch(iter([]))
     with pytest.raises(ValueError, match="mpu"):
         shardspeed.initialize(model=model, mpu=object(), config=pm.config(MICRO, GAS, 2))
+    with pytest.raises(ConfigError) as err:  # a pipeline section for a model without stages
+        plain = pm.config(MICRO, GAS, 4, pipeline={"schedule": "gpipe"})
+        shardspeed.initialize(model=nn.Linear(2, 2), config=plain)
+    messages.append(str(err.value))
     return messages
 
 
@@ -266,6 +274,7 @@ def test_refusals(pool4):
     assert "pipeline.stages" in messages[1]
     assert "virtual_stages" in messages[2]
     assert "pipeline.schedul" in messages[3]
+    assert "configures a PipelineModule" in messages[4]
 
 
 def test_bad_data_items_are_explained(pool2):

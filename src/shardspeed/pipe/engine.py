@@ -114,6 +114,12 @@ class PipelineEngine(ShardSpeedEngine):
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise PipelineError("Only train_batch() is accessible in pipeline mode (and eval_batch())")
 
+    def save_16bit_model(self, *args: Any, **kwargs: Any) -> bool:
+        raise PipelineError(
+            "save_16bit_model() is not available for pipelines yet: save_checkpoint(), then "
+            "`shardspeed-ckpt consolidate` writes the whole model as safetensors"
+        )
+
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step over `gradient_accumulation_steps` micro-batches; the mean loss."""
         if not torch.is_grad_enabled():
@@ -239,15 +245,22 @@ class PipelineEngine(ShardSpeedEngine):
         elif isinstance(first, LoadMicroBatch):
             self._load(first.micro_batch, run)
         elif isinstance(first, ForwardPass):
-            start = time.perf_counter()
+            start = self._clock()
             self._forward(first, run, compute_loss, logits)
-            run.busy += time.perf_counter() - start
+            run.busy += self._clock() - start
         elif isinstance(first, BackwardPass):
-            start = time.perf_counter()
+            start = self._clock()
             self._backward(first, run, m, last_backward[first.chunk] == first.micro_batch)
-            run.busy += time.perf_counter() - start
+            run.busy += self._clock() - start
         else:
             raise PipelineError(f"unknown instruction {first}")
+
+    def _clock(self) -> float:
+        """Host time; on CUDA after the device caught up, with `wall_clock_breakdown` only (a
+        sync per pass would cost the overlap the pipeline exists for)."""
+        if self.device.type == "cuda" and self.config.wall_clock_breakdown:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def _load(self, micro_batch: int, run: _Pass) -> None:
         if run.data is None:

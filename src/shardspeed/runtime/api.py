@@ -41,6 +41,11 @@ def initialize(
         raise ValueError("a PipelineModule brings its own topology: do not pass mpu as well")
     topology = model.topo if pipelined else comm.Topology.build(mpu)
     run_config = load_config(source, topology.dp_world_size)
+    if not pipelined and run_config.pipeline != type(run_config.pipeline)():
+        raise ConfigError(
+            "the 'pipeline' section configures a PipelineModule (shardspeed.pipe), and the "
+            f"model is a {type(model).__name__}: remove the section or build a PipelineModule"
+        )
     logger = logging.getLogger("shardspeed")
     logger.info(
         "world size %d (data parallel %d, pipeline stages %d), batch %d = micro %d x accumulation %d x %d ranks",

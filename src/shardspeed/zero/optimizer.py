@@ -119,8 +119,11 @@ class ZeroOptimizer:
     ) -> None:
         self.module = module
         self.optimizer = optimizer
-        # One rank has nothing to shard: stage 2 then behaves as stage 1 (same bytes, no copies).
-        self.stage = min(stage, 1) if dp_world_size == 1 else stage
+        # One rank has nothing to shard: stage 2 then behaves as stage 1 (same bytes, no copies),
+        # and so does stage 3 unless its parameters are to live off the device (offload_param).
+        offloads_params = offload is not None and offload.param_device != "none"
+        keep = dp_world_size > 1 or (stage == 3 and offloads_params)
+        self.stage = stage if keep else min(stage, 1)
         self.loss_scaler = loss_scaler or StaticLossScaler(1.0)
         self.gradient_clipping = gradient_clipping
         self.skip_nonfinite = skip_nonfinite
@@ -250,7 +253,9 @@ class ZeroOptimizer:
             self.sharded_params.after_write = lambda: self.master_flat.copy_(
                 self.sharded_params.store.flat
             )
-        self.reducer = self._build_reducer(reduce, device) if dp_world_size > 1 else None
+        # Stages 2 and 3 take gradients through the reducer's buckets even on one rank.
+        sharded_grads = dp_world_size > 1 or self.stage >= 2
+        self.reducer = self._build_reducer(reduce, device) if sharded_grads else None
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self.params)
