@@ -13,7 +13,7 @@ from torch import nn
 import pipe_model as pm
 import shardspeed
 from shardspeed.config import ConfigError
-from shardspeed.pipe import LayerSpec, PipelineError
+from shardspeed.pipe import LayerSpec, PipelineError, PipelineModule
 from shardspeed.pipe.module import partition_balanced, partition_layers, partition_uniform
 from shardspeed.testing import RankFailure
 from shardspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -323,3 +323,80 @@ def test_partition_methods():
         partition_layers(layers, 2, "type:conv")
     with pytest.raises(ValueError, match="profile"):
         partition_layers(layers, 2, "profile")
+
+
+# -- tuples, tensors without gradients, shapes that change -----------------------------------------
+
+
+class _Masked(nn.Module):
+    """Takes (x, keep) and returns (tanh(linear(x)) where keep, else x; keep): a tuple whose bool
+    tensor needs no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+        x, keep = inputs
+        return torch.where(keep, torch.tanh(self.linear(x)), x), keep
+
+
+def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x, x.sum(-1, keepdim=True) > 0
+
+
+def _first_of(inputs: tuple) -> torch.Tensor:
+    return inputs[0]
+
+
+def _masked_layers() -> list:
+    return [_split, *[LayerSpec(_Masked) for _ in range(4)], _first_of]
+
+
+def _masked_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Micro-batches of different lengths: the shapes between stages change every time.
+    gen = torch.Generator().manual_seed(step)
+    rows = micro + step % 3
+    return torch.randn(rows, 4, generator=gen), torch.randn(rows, 4, generator=gen)
+
+
+def _masked_train(stages: int) -> dict:
+    model = PipelineModule(
+        _masked_layers(),
+        num_stages=stages,
+        loss_fn=F.mse_loss,
+        seed_layers=True,
+        partition_method="uniform",
+        dynamic_shape=True,
+    )
+    engine, *_ = shardspeed.initialize(model=model, config=pm.config(2, 3, 1))
+    for step in range(2):
+        engine.train_batch(iter([_masked_batch(3 * step + m, 2) for m in range(3)]))
+    return {"stage": engine.stage_id, "params": dict(model.named_parameters())}
+
+
+def test_tuples_with_gradient_free_tensors_and_changing_shapes(pool2):
+    merged = pm.merged_params(pool2.run(_masked_train, 2))
+    layers = _masked_layers()
+    modules = {}
+    for index, spec in enumerate(layers):
+        if isinstance(spec, LayerSpec):
+            torch.manual_seed(1234 + index)
+            modules[str(index)] = spec.build()
+    reference = nn.ModuleDict(modules)
+    opt = torch.optim.AdamW(reference.parameters(), lr=pm.LR, weight_decay=0.01)
+    for step in range(2):
+        loss = 0.0
+        for m in range(3):
+            x, y = _masked_batch(3 * step + m, 2)
+            out = _split(x)
+            for index in range(1, 5):
+                out = reference[str(index)](out)
+            loss = loss + F.mse_loss(out[0], y) / 3
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    for name, value in reference.named_parameters():
+        err = ((merged[name].detach() - value).norm() / value.norm()).item()
+        assert err <= FP32_TOL, f"{name}: {err:.1e}"
