@@ -299,8 +299,20 @@ BAD_CONFIGS = [
     ({"amp": {"enabled": True}}, "'amp' is removed in DeepSpeed 0.19.8"),
     ({"elasticity": {"enabled": True}}, "'elasticity' is removed"),
     (
-        {"activation_checkpointing": {"partition_activations": True}},
-        "'activation_checkpointing' is a DeepSpeed key that shardspeed does not support yet (issue 8",
+        {"activation_checkpointing": {"number_checkpoints": 4}},
+        "'activation_checkpointing.number_checkpoints' is a DeepSpeed key that shardspeed does not support",
+    ),
+    (
+        {"activation_checkpointing": {"partition_activation": True}},
+        "activation_checkpointing.partition_activation",
+    ),
+    (
+        {"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True}},
+        "tensor_parallel.tp_overlap_comm",
+    ),
+    (
+        {"tensor_parallel": {"partition_config": {"layer_specs": [{"patterns": ["x"]}]}}},
+        "'tensor_parallel.partition_config.layer_specs[0].partition_type' is required",
     ),
     ({"pipeline": {"schedule": "zigzag"}}, "pipeline.schedule"),
     (

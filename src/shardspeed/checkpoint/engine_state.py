@@ -39,6 +39,7 @@ from .format import (
     ByteReader,
     CheckpointError,
     Piece,
+    Split,
     StoredTensors,
     TensorSource,
     fsync_dir,
@@ -175,7 +176,8 @@ def _collect(
     # What every replica of a stage holds alike, the first replica writes: rank 0 without a
     # pipeline, data-parallel rank 0 of each stage with one.
     topology = engine.topology
-    writes_replicated = topology.dp_rank == 0 if topology.num_stages > 1 else rank == 0
+    model_parallel = topology.num_stages > 1 or topology.tp_world_size > 1
+    writes_replicated = topology.dp_rank == 0 if model_parallel else rank == 0
 
     def add(name: str, key: str, value: torch.Tensor, start: int, length: int, shape) -> None:
         entry = logical.setdefault(
@@ -184,6 +186,19 @@ def _collect(
         entry["pieces"].append([key, start, length])
 
     shapes = dict(zip(zopt.param_names, zopt.layout.shapes))
+    splits = tensor_parallel_splits(engine)
+    tp_rank = topology.tp_rank
+
+    def stored(logical_name: str, name: str) -> str:
+        # A tensor-parallel rank's piece is a logical tensor of its own; the manifest's
+        # `splits` joins the pieces back under `logical_name`.
+        if name not in splits:
+            return logical_name
+        split = splits[name]
+        splits_seen[logical_name] = {"dim": split.dim, "stride": split.stride, "parts": split.parts}
+        return f"tp/{logical_name}/{tp_rank}"
+
+    splits_seen: dict[str, dict[str, Any]] = {}
     sharded = zopt.stage >= 1
     if sharded or writes_replicated:
         for k, pieces in enumerate(zopt.master_pieces()):
@@ -195,11 +210,13 @@ def _collect(
                 tensors[f"optim.{n}.{k}"] = v.detach()
             for name, start, offset, length in pieces:
                 shape = shapes[name]
-                add(f"param/{name}", f"master.{k}", flat, start, length, shape)
-                logical[f"param/{name}"]["pieces"][-1].append(offset)
+                key = stored(f"param/{name}", name)
+                add(key, f"master.{k}", flat, start, length, shape)
+                logical[key]["pieces"][-1].append(offset)
                 for n, v in sized.items():
-                    add(f"optim/{n}/{name}", f"optim.{n}.{k}", v, start, length, shape)
-                    logical[f"optim/{n}/{name}"]["pieces"][-1].append(offset)
+                    key = stored(f"optim/{n}/{name}", name)
+                    add(key, f"optim.{n}.{k}", v, start, length, shape)
+                    logical[key]["pieces"][-1].append(offset)
     if writes_replicated:
         managed = set(zopt.param_names)
         if not exclude_frozen:
@@ -219,7 +236,10 @@ def _collect(
             add(f"buffer/{name}", key, b, 0, b.numel(), b.shape)
             logical[f"buffer/{name}"]["pieces"][-1].append(0)
 
-    rank_state: dict[str, Any] = {"rng": encode(_rng_state(), tensors, f"rng.{rank}.")}
+    rank_state: dict[str, Any] = {
+        "rng": encode(_rng_state(), tensors, f"rng.{rank}."),
+        "splits": splits_seen,
+    }
     if rank == 0:
         rank_state["shared"] = {
             "optimizer": _optimizer_json(zopt, tensors),
@@ -298,6 +318,14 @@ def _publish_tag(
             # A weight tied across pipeline stages is written by each: keep one copy of a range.
             have = {tuple(p[2:4]) for p in merged["pieces"]}  # (start, length)
             merged["pieces"].extend(p for p in entry["pieces"] if tuple(p[2:4]) not in have)
+    splits: dict[str, dict[str, Any]] = {}
+    for report in reports:
+        for name, split in report["rank_state"].pop("splits").items():
+            splits[name] = {
+                "dim": split["dim"],
+                "stride": split["stride"],
+                "parts": [f"tp/{name}/{r}" for r in range(split["parts"])],
+            }
     zopt = engine.optimizer
     manifest = {
         "format": FORMAT,
@@ -307,6 +335,7 @@ def _publish_tag(
             "world_size": get_world_size(),
             "dp_world_size": engine.dp_world_size,
             "pipeline_stages": engine.topology.num_stages,
+            "tensor_parallel": engine.topology.tp_world_size,
             "zero_stage": zopt.stage,
             "model_dtype": DTYPE_NAMES[zopt.params[0].dtype],
             "exclude_frozen_parameters": exclude_frozen,
@@ -314,6 +343,7 @@ def _publish_tag(
         "aliases": _aliases(engine.module),
         "files": files,
         "tensors": tensors,
+        "splits": splits,
         "ranks": [r["rank_state"] for r in reports],
         **reports[0]["shared"],
     }
@@ -379,7 +409,8 @@ def resolve_tag(load_dir: str, tag: str | None) -> Path | None:
 
 def open_checkpoint(path: Path) -> tuple[dict[str, Any], TensorSource]:
     manifest = read_manifest(path)
-    return manifest, TensorSource(ByteReader(path, manifest["files"]), manifest["tensors"])
+    reader = ByteReader(path, manifest["files"])
+    return manifest, TensorSource(reader, manifest["tensors"], manifest.get("splits"))
 
 
 def load_engine(
@@ -413,7 +444,9 @@ def load_engine(
 
     if not load_module_only:
         if load_optimizer_states:
-            _load_optimizer(zopt, manifest, source, pieces, read_extra)
+            _load_optimizer(
+                zopt, manifest, source, pieces, read_extra, _piece_reader(engine, source)
+            )
             zopt.loss_scaler.load_state_dict(decode(manifest["loss_scaler"], read_extra))
         if (
             load_lr_scheduler_states
@@ -440,12 +473,13 @@ def load_parameters(
     zopt = engine.optimizer
     _check_names(engine, source, strict, label, exclude_frozen)
     pieces = zopt.master_pieces()
+    read = _piece_reader(engine, source)
     with torch.no_grad():
         for k, own in enumerate(pieces):
             with zopt.writable_master(k) as flat:
                 for name, start, offset, length in own:
                     if f"param/{name}" in source:
-                        flat[offset : offset + length] = source.read(f"param/{name}", start, length)
+                        flat[offset : offset + length] = read(f"param/{name}", name, start, length)
         managed = set(zopt.param_names)
         for name, p in engine.module.named_parameters():
             if name not in managed and f"param/{name}" in source:
@@ -455,6 +489,28 @@ def load_parameters(
                 b.copy_(source.read_whole(f"buffer/{name}"))
     zopt.publish()
     return pieces
+
+
+def tensor_parallel_splits(engine: Any) -> dict[str, Split]:
+    """The engine's parameters split across its tensor-parallel ranks, by name, and how."""
+    parts = engine.topology.tp_world_size
+    return {
+        name: Split(p.partition_dim, parts, getattr(p, "partition_stride", 1))
+        for name, p in engine.module.named_parameters()
+        if getattr(p, "tensor_model_parallel", False) and parts > 1
+    }
+
+
+def _piece_reader(engine: Any, source: TensorSource) -> Any:
+    """read(logical name, parameter name, start, length) of this rank's piece of a parameter:
+    its tensor-parallel slice of the whole (whatever split it was saved with), or all of it."""
+    splits = tensor_parallel_splits(engine)
+    tp_rank = engine.topology.tp_rank
+
+    def read(logical: str, name: str, start: int, length: int) -> torch.Tensor:
+        return source.read_piece(logical, splits.get(name), tp_rank, start, length)
+
+    return read
 
 
 def _check_names(
@@ -476,8 +532,11 @@ def _check_names(
             f"missing {missing[:10]}, unexpected {unexpected[:10]}"
         )
     shapes = dict(zip(engine.optimizer.param_names, engine.optimizer.layout.shapes))
+    splits = tensor_parallel_splits(engine)
     for name in model & saved:
         shape = tuple(shapes.get(name, params[name].shape))
+        if name in splits:
+            shape = splits[name].whole_shape(shape)
         if shape != source.shape(f"param/{name}"):
             raise CheckpointError(
                 f"{label}: parameter '{name}' has shape {source.shape(f'param/{name}')} there "
@@ -491,6 +550,7 @@ def _load_optimizer(
     source: TensorSource,
     pieces: list[list[tuple[str, int, int, int]]],
     read_extra: Any,
+    read: Any,
 ) -> None:
     saved = manifest["optimizer"]
     groups = zopt.optimizer.param_groups
@@ -518,8 +578,8 @@ def _load_optimizer(
                 values = torch.zeros(numel, dtype=torch.float32)
                 for name, start, offset, length in pieces[k]:
                     if f"optim/{n}/{name}" in source:
-                        values[offset : offset + length] = source.read(
-                            f"optim/{n}/{name}", start, length
+                        values[offset : offset + length] = read(
+                            f"optim/{n}/{name}", name, start, length
                         )
                 entry[n] = (values.view(master.shape) if master.numel() == numel else values).to(
                     master.device

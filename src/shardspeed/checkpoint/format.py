@@ -215,16 +215,57 @@ def verify_files(directory: Path, files: dict[str, dict[str, Any]]) -> list[str]
     return problems
 
 
+@dataclass(frozen=True)
+class Split:
+    """How a tensor-parallel parameter is cut: along `dim`, into `parts` ranks' pieces, each of
+    which holds its 1/parts of each of `stride` equal sub-blocks (a fused q|k|v weight: 3)."""
+
+    dim: int
+    parts: int
+    stride: int = 1
+
+    def join(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The whole tensor from every rank's piece, in rank order."""
+        blocks = [p.chunk(self.stride, self.dim) for p in pieces]
+        return torch.cat([b[j] for j in range(self.stride) for b in blocks], self.dim)
+
+    def piece(self, whole: torch.Tensor, index: int) -> torch.Tensor:
+        """Rank `index`'s piece of the whole tensor."""
+        blocks = whole.chunk(self.stride, self.dim)
+        return torch.cat([b.chunk(self.parts, self.dim)[index] for b in blocks], self.dim)
+
+    def whole_shape(self, piece_shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(piece_shape)
+        shape[self.dim] *= self.parts
+        return tuple(shape)
+
+
 class TensorSource:
-    """Logical tensors assembled from pieces; `read(name, start, length)` reads only what it needs."""
+    """Logical tensors assembled from pieces; `read(name, start, length)` reads only what it needs.
+
+    A tensor saved by tensor-parallel ranks is stored as one logical tensor per rank's piece;
+    `splits` (`{name: {"dim", "stride", "parts": [piece names]}}`) makes the whole one readable
+    under its own name, joined on first read.
+    """
 
     def __init__(
         self,
         reader: ByteReader,
         tensors: dict[str, dict[str, Any]],
+        splits: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.reader = reader
-        self.tensors = tensors
+        self.tensors = dict(tensors)
+        self.splits: dict[str, tuple[Split, list[str]]] = {}
+        for name, info in (splits or {}).items():
+            split = Split(info["dim"], len(info["parts"]), info["stride"])
+            self.splits[name] = (split, info["parts"])
+            first = tensors[info["parts"][0]]
+            self.tensors[name] = {
+                "shape": list(split.whole_shape(tuple(first["shape"]))),
+                "dtype": first["dtype"],
+            }
+        self._joined: dict[str, torch.Tensor] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -238,6 +279,28 @@ class TensorSource:
     def dtype(self, name: str) -> torch.dtype:
         return DTYPES[self.tensors[name]["dtype"]]
 
+    def whole(self, name: str) -> torch.Tensor:
+        """The tensor `name` entire, joined from its pieces when it was saved split (cached)."""
+        if name not in self.splits:
+            return self.read_whole(name)
+        if name not in self._joined:
+            split, parts = self.splits[name]
+            self._joined[name] = split.join([self.read_whole(p) for p in parts])
+        return self._joined[name]
+
+    def read_piece(
+        self, name: str, split: Split | None, index: int, start: int, length: int
+    ) -> torch.Tensor:
+        """Elements [start, start + length) of rank `index`'s piece of `name` under `split`
+        (the whole tensor with None), whatever split it was saved with."""
+        if split is None and name not in self.splits:
+            return self.read(name, start, length)
+        key = f"{name}#{split}#{index}"
+        if key not in self._joined:
+            whole = self.whole(name)
+            self._joined[key] = (whole if split is None else split.piece(whole, index)).reshape(-1)
+        return self._joined[key][start : start + length]
+
     def numel(self, name: str) -> int:
         return int(torch.Size(self.shape(name)).numel())
 
@@ -245,6 +308,9 @@ class TensorSource:
         """Elements [start, start + length) of the flattened tensor `name`, in its stored dtype."""
         if name not in self.tensors:
             raise CheckpointError(f"the checkpoint has no tensor '{name}'")
+        if name in self.splits:
+            length = self.numel(name) - start if length is None else length
+            return self.whole(name).reshape(-1)[start : start + length]
         entry = self.tensors[name]
         length = self.numel(name) - start if length is None else length
         dtype = DTYPES[entry["dtype"]]

@@ -3,8 +3,8 @@
 A `ProcessTopology` (DeepSpeed's class of that name) is a mesh of named axes, the last varying
 fastest: with axes (pipe, data) and sizes (2, 2), ranks 0 and 1 are stage 0's two data-parallel
 replicas. `Topology` is this rank's view of it: its coordinates, the data-parallel group it averages
-gradients over and the pipeline group its stages form. A Megatron-style `mpu`
-(get_data_parallel_*) is honoured. Tensor and expert axes join in later issues.
+gradients over, the pipeline group its stages form and the tensor-parallel group its split layers
+use. A Megatron-style `mpu` is honoured. The expert axis joins in a later issue.
 """
 
 from __future__ import annotations
@@ -106,10 +106,13 @@ class PipeModelDataParallelTopology(ProcessTopology):
 
 @dataclass(frozen=True)
 class Topology:
-    """This rank's place: global rank and size, data-parallel rank/size/group, pipeline stage.
+    """This rank's place and groups: data-parallel (gradients averaged, ZeRO shards), pipeline
+    (stages), tensor-parallel (layers split), and model-parallel (pipeline x tensor: the ranks
+    whose parameters together make one model, for gradient norms).
 
     A group of None means the default (world) group. `mesh` is set when the ranks form a
-    `ProcessTopology` (a pipelined model).
+    `ProcessTopology`. The Megatron `mpu` methods (`get_data_parallel_group()`, ...) are offered,
+    so a Topology serves wherever DeepSpeed takes an `mpu`.
     """
 
     rank: int
@@ -120,57 +123,137 @@ class Topology:
     stage: int = 0
     num_stages: int = 1
     pipe_group: Any = None
+    tp_rank: int = 0
+    tp_world_size: int = 1
+    tp_group: Any = None
+    mp_group: Any = None
     mesh: ProcessTopology | None = field(default=None, compare=False)
 
     @classmethod
-    def build(cls, mpu: Any = None) -> Topology:
+    def build(cls, mpu: Any = None, tensor_parallel: int = 1) -> Topology:
+        """From a user's `mpu`, or for `tensor_parallel` ranks per layer (a data x tensor mesh)."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if mpu is None:
-            return cls(rank, world, rank, world, None)
-        return cls(
-            rank,
-            world,
-            mpu.get_data_parallel_rank(),
-            mpu.get_data_parallel_world_size(),
-            mpu.get_data_parallel_group(),
-        )
+        if mpu is not None:
+            if tensor_parallel > 1:
+                raise ValueError(
+                    "pass an mpu or ask for tensor parallelism in the config, not both"
+                )
+            return _from_mpu(mpu, rank, world)
+        if tensor_parallel > 1:
+            if world % tensor_parallel:
+                raise ValueError(
+                    f"tensor_parallel.autotp_size {tensor_parallel} must divide the world size "
+                    f"{world}"
+                )
+            mesh = PipeModelDataParallelTopology(1, tensor_parallel, world // tensor_parallel)
+            return cls.from_mesh(mesh)
+        return cls(rank, world, rank, world, None)
 
     @classmethod
     def from_mesh(cls, mesh: ProcessTopology) -> Topology:
-        """Groups for a (pipe, data) mesh. Collective: every rank makes every group, in order."""
+        """Groups for a (pipe, data, model) mesh. Collective the first time (every rank makes
+        every group, in order); later calls with the same mesh return the same groups, so a
+        script can ask for them before building its tensor-parallel layers."""
+        cached = getattr(mesh, "_shardspeed_topology", None)
+        if cached is not None:
+            return cached
         rank, world = dist.get_rank(), dist.get_world_size()
         if mesh.world_size() != world:
             raise ValueError(
                 f"the topology {mesh} has {mesh.world_size()} ranks, the world {world}"
             )
-        unknown = set(mesh.axes) - {"pipe", "data"}
-        if any(mesh.get_dim(a) > 1 for a in unknown):
-            raise ValueError(
-                f"axes {sorted(unknown)} of {mesh} are not supported yet (tensor parallelism is "
-                "issue 8); use PipeDataParallelTopology"
-            )
-        coord = mesh.get_coord(rank)
+        unknown = set(mesh.axes) - {"pipe", "data", "model"}
+        if unknown:
+            raise ValueError(f"axes {sorted(unknown)} of {mesh} are not supported")
+        coord = mesh.get_coord(rank)._asdict()
         dp_group = subgroup(mesh.get_axis_comm_lists("data"))
         pipe_group = subgroup(mesh.get_axis_comm_lists("pipe"))
-        return cls(
+        tp_group = subgroup(mesh.get_axis_comm_lists("model"))
+        model_lists = [mesh.filter_match(data=d) for d in range(max(mesh.get_dim("data"), 1))]
+        mp_group = subgroup(model_lists)
+        topology = cls(
             rank,
             world,
-            coord.data,
-            mesh.get_dim("data"),
+            coord.get("data", 0),
+            max(mesh.get_dim("data"), 1),
             dp_group,
-            coord.pipe,
-            mesh.get_dim("pipe"),
+            coord.get("pipe", 0),
+            max(mesh.get_dim("pipe"), 1),
             pipe_group,
+            coord.get("model", 0),
+            max(mesh.get_dim("model"), 1),
+            tp_group,
+            mp_group,
             mesh,
         )
+        mesh._shardspeed_topology = topology
+        return topology
 
     def stage_rank(self, stage: int) -> int:
-        """The global rank of `stage` in this rank's pipeline (same data-parallel index)."""
+        """The global rank of `stage` in this rank's pipeline (same data and tensor index)."""
         if self.mesh is None:
             return self.rank
         coords = self.mesh.get_coord(self.rank)._asdict()
         return self.mesh.get_rank(**{**coords, "pipe": stage})
+
+    def model_parallel_rank(self, stage: int, tp_rank: int) -> int:
+        """The global rank holding (`stage`, `tp_rank`) in this rank's data-parallel replica."""
+        if self.mesh is None:
+            return self.rank
+        coords = self.mesh.get_coord(self.rank)._asdict()
+        coords.update({"pipe": stage} if "pipe" in coords else {})
+        coords.update({"model": tp_rank} if "model" in coords else {})
+        return self.mesh.get_rank(**coords)
+
+    # -- the Megatron `mpu` interface --------------------------------------------------------------
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_world_size
+
+    def get_data_parallel_group(self) -> Any:
+        return self.dp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp_world_size
+
+    def get_model_parallel_group(self) -> Any:
+        return self.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.stage
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.num_stages
+
+    def get_pipe_parallel_group(self) -> Any:
+        return self.pipe_group
+
+
+def _from_mpu(mpu: Any, rank: int, world: int) -> Topology:
+    """A user's Megatron `mpu`: its data-parallel group, and its model-parallel one if it has it."""
+    tp_size = mpu.get_model_parallel_world_size() if hasattr(mpu, "get_model_parallel_group") else 1
+    return Topology(
+        rank,
+        world,
+        mpu.get_data_parallel_rank(),
+        mpu.get_data_parallel_world_size(),
+        mpu.get_data_parallel_group(),
+        tp_rank=mpu.get_model_parallel_rank() if tp_size > 1 else 0,
+        tp_world_size=tp_size,
+        tp_group=mpu.get_model_parallel_group() if tp_size > 1 else None,
+        mp_group=mpu.get_model_parallel_group() if tp_size > 1 else None,
+    )
 
 
 def subgroup(rank_lists: Sequence[Sequence[int]]) -> Any:

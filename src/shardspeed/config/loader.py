@@ -14,7 +14,7 @@ import copy
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, get_args
 
@@ -108,8 +108,14 @@ def _no_duplicates(origin: str):
     return hook
 
 
-def load_config(source: ConfigSource, dp_world_size: int) -> ShardSpeedConfig:
-    """Validate a config for a run with `dp_world_size` data-parallel ranks; raise ConfigError."""
+def load_config(
+    source: ConfigSource, dp_world_size: int | Callable[[ShardSpeedConfig], int]
+) -> ShardSpeedConfig:
+    """Validate a config for a run with `dp_world_size` data-parallel ranks; raise ConfigError.
+
+    `dp_world_size` may be a function of the validated config, for when the config itself shapes
+    the ranks (`tensor_parallel.autotp_size`); it is called once, before the batch arithmetic.
+    """
     raw = read_config_source(source)
     problems: list[str] = []
     _rewrite_deprecated(raw, problems)
@@ -126,6 +132,8 @@ def load_config(source: ConfigSource, dp_world_size: int) -> ShardSpeedConfig:
     problems += _check_params(config)
     if problems:
         raise ConfigError(problems)
+    if callable(dp_world_size):
+        dp_world_size = dp_world_size(config)
     tbs, micro, gas = resolve_batch(
         config.train_batch_size,
         config.train_micro_batch_size_per_gpu,

@@ -229,6 +229,89 @@ class PipelineConfig(StrictModel):
     schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
 
 
+class ActivationCheckpointingConfig(StrictModel):
+    """`activation_checkpointing`: how `shardspeed.checkpointing.checkpoint` keeps what it saves.
+
+    `initialize` applies it (DeepSpeed acts on it only if the script also calls
+    `checkpointing.configure`). `partition_activations` keeps 1/t of each saved input on each of
+    the t tensor-parallel ranks; `cpu_checkpointing` keeps saved inputs in host memory;
+    `synchronize_checkpoint_boundary` waits for the device at each checkpoint; `profile` logs
+    the time of each checkpointed forward and recompute.
+    """
+
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: PositiveInt | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "contiguous_memory_optimization": (
+            "not planned: saved activations are ordinary tensors, and torch's caching allocator "
+            "keeps them from fragmenting memory"
+        ),
+        "number_checkpoints": (
+            "it only sizes DeepSpeed's contiguous buffers (contiguous_memory_optimization), "
+            "which shardspeed does not have"
+        ),
+    }
+
+
+class TPLayerSpecConfig(StrictModel):
+    """One rule of `tensor_parallel.partition_config.layer_specs`: parameters whose names match
+    one of `patterns` (regular expressions) are split as `partition_type` layers."""
+
+    patterns: list[str]
+    partition_type: Literal["column", "row"]
+    shape: list[int] | None = None
+    partition_dim: NonNegativeInt | None = None
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "shape": "fused weights split by sub-shape are not offered yet",
+        "partition_dim": "column layers split dimension 0 and row layers dimension 1",
+    }
+
+
+class TPPartitionConfig(StrictModel):
+    """`tensor_parallel.partition_config`: which linears automatic tensor parallelism splits.
+
+    `use_default_specs` true adds the built-in rules (GPT-2, Llama-like, BERT-like) after the given
+    ones."""
+
+    use_default_specs: bool = True
+    layer_specs: list[TPLayerSpecConfig] = Field(default_factory=list)
+
+
+class TensorParallelConfig(StrictModel):
+    """`tensor_parallel` (DeepSpeed's AutoTP training): `autotp_size` t > 1 splits the model's
+    attention and MLP linears over t ranks at `initialize`, by name (built-in rules for GPT-2,
+    Llama-like and BERT-like models, `partition_config` or `preset_model` for others)."""
+
+    autotp_size: NonNegativeInt = 0
+    partition_config: TPPartitionConfig | None = None
+    preset_model: Literal["llama", "qwen2", "gpt2", "bert"] | None = None
+    tp_overlap_comm: bool = False
+    dtype: str | None = None
+    vocab_parallel_lm_head: bool | None = None
+    vocab_parallel_ce_backend: Literal["torch", "liger"] = "torch"
+    tp: Section = None
+    injection_policy_tuple: Any = None
+    keep_module_on_host: bool = False
+    kernel_inject: bool = False
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "tp_overlap_comm": "the tensor-parallel all-reduces are not overlapped yet",
+        "dtype": "the model's dtype comes from the fp16 / bf16 sections",
+        "vocab_parallel_lm_head": "the output head is not split by vocabulary automatically yet",
+        "vocab_parallel_ce_backend": "only torch's cross-entropy is offered",
+        "tp": ISSUE_INFERENCE,
+        "injection_policy_tuple": ISSUE_INFERENCE,
+        "keep_module_on_host": ISSUE_INFERENCE,
+        "kernel_inject": ISSUE_INFERENCE,
+    }
+
+
 class CheckpointConfig(StrictModel):
     """`checkpoint`: how tags are checked across ranks, and where files go.
 
@@ -389,7 +472,9 @@ class ShardSpeedConfig(StrictModel):
     seq_parallel_communication_data_type: Literal["fp16", "bf16", "fp32"] = "fp32"
     use_data_before_expert_parallelism: bool = False
     vocabulary_size: PositiveInt | None = None
-    activation_checkpointing: Section = None
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
     flops_profiler: Section = None
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
@@ -405,7 +490,7 @@ class ShardSpeedConfig(StrictModel):
     comms_logger: Section = None
     hybrid_engine: Section = None
     compile: Section = None
-    tensor_parallel: Section = None
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     expert_parallel: Section = None
     timers: Section = None
     weight_quantization: Section = None
@@ -423,7 +508,6 @@ class ShardSpeedConfig(StrictModel):
         "seq_parallel_communication_data_type": NOT_PLANNED,
         "use_data_before_expert_parallelism": ISSUE_MOE,
         "vocabulary_size": NOT_PLANNED,
-        "activation_checkpointing": ISSUE_TP,
         "flops_profiler": ISSUE_TOOLS,
         "autotuning": ISSUE_TOOLS,
         "data_efficiency": NOT_PLANNED,
@@ -436,7 +520,6 @@ class ShardSpeedConfig(StrictModel):
         "comms_logger": ISSUE_TOOLS,
         "hybrid_engine": ISSUE_INFERENCE,
         "compile": NOT_PLANNED,
-        "tensor_parallel": ISSUE_TP,
         "expert_parallel": ISSUE_MOE,
         "timers": ISSUE_TOOLS,
         "weight_quantization": NOT_PLANNED,

@@ -25,6 +25,7 @@ import torch
 from ..comm import all_gather, all_reduce, broadcast
 from ..config.errors import ConfigError
 from ..runtime.engine import ShardSpeedEngine
+from ..zero import TiedParameters
 from .module import PipelineModule
 from .p2p import StageLink, Transfer, metas_of
 from .schedule import (
@@ -84,11 +85,10 @@ class PipelineEngine(ShardSpeedEngine):
         self._lists: dict[tuple[str, int], list[Instruction]] = {}
 
     def _sharding_layout(self) -> dict[str, Any]:
-        return {
-            "segments": self.module.chunk_parameters(),
-            "ties": self.module.tied_parameters(),
-            "norm_group": self.topology.pipe_group if self.topology.num_stages > 1 else None,
-        }
+        return {**super()._sharding_layout(), "segments": self.module.chunk_parameters()}
+
+    def _stage_ties(self) -> list[TiedParameters]:
+        return self.module.tied_parameters()
 
     # -- DeepSpeed's surface ----------------------------------------------------------------------
 

@@ -189,6 +189,7 @@ class PipelineModule(nn.Module):
         """Groups over the ranks sharing each tied module (collective: every rank makes all)."""
         ties = []
         keys = sorted({s.key for s in self.layer_specs if isinstance(s, TiedLayerSpec)})
+        self._tie_sources: list[int] = []
         mesh = self.topo.mesh
         for key in keys:
             stages = sorted(
@@ -200,26 +201,27 @@ class PipelineModule(nn.Module):
             )
             if len(stages) < 2:
                 continue  # one stage holds every use: nothing to keep in step
-            lists = [
-                [mesh.get_rank(pipe=s, data=d) for s in stages] for d in range(mesh.get_dim("data"))
-            ]
+            # One group per replica and tensor-parallel rank: the tie's stages there.
+            lists = [[ranks[s] for s in stages] for ranks in mesh.get_axis_comm_lists("pipe")]
             group = subgroup(lists)
             if key in self.tied_modules:
                 module = self.tied_modules[key]
                 for name in self.tied_weight_attrs[key]:
                     if not isinstance(_attr(module, name), nn.Parameter):
                         raise TypeError(f"tied_weight_attr {name!r} of {key!r} is no parameter")
-                ranks = next(r for r in lists if self.topo.rank in r)
+                first = next(r for r in lists if self.topo.rank in r)[0]
                 # Every parameter of the shared module, not only tied_weight_attr: the others
                 # would drift apart between the copies (as in DeepSpeed) under one name.
-                ties.append(TiedParameters(tuple(module.parameters()), group, ranks[0]))
+                params = tuple(module.parameters())
+                ties.append(TiedParameters(params, group, counted=self.topo.rank == first))
+                self._tie_sources.append(first)
         return ties
 
     def _synchronize_tied_weights(self) -> None:
         with torch.no_grad():
-            for tie in self._ties:
+            for tie, source in zip(self._ties, self._tie_sources):
                 for p in tie.params:
-                    dist.broadcast(p.data, src=tie.source, group=tie.group)
+                    dist.broadcast(p.data, src=source, group=tie.group)
 
     def tied_parameters(self) -> list[TiedParameters]:
         """The tied weights this rank shares with other stages, with the groups that sum them."""

@@ -33,14 +33,33 @@ def initialize(
     if model is None:
         raise ValueError("initialize() needs a model")
     if mesh_param is not None:
-        raise ConfigError("mesh_param is not supported yet (issue 8: 3D topologies)")
+        raise ConfigError(
+            "mesh_param (DeepSpeed's data x sequence-parallel device mesh) is not supported: "
+            "use 'tensor_parallel.autotp_size' or a PipelineModule's topology"
+        )
     source = _config_source(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     pipelined = isinstance(model, PipelineModule)
     if pipelined and mpu is not None:
         raise ValueError("a PipelineModule brings its own topology: do not pass mpu as well")
-    topology = model.topo if pipelined else comm.Topology.build(mpu)
-    run_config = load_config(source, topology.dp_world_size)
+    topology: comm.Topology | None = None
+
+    def data_parallel_size(config: Any) -> int:
+        nonlocal topology
+        tensor_parallel = config.tensor_parallel.autotp_size
+        if pipelined and tensor_parallel > 1:
+            raise ConfigError(
+                "tensor_parallel.autotp_size with a PipelineModule: give the module a "
+                "PipeModelDataParallelTopology and tensor-parallel layers instead"
+            )
+        topology = model.topo if pipelined else comm.Topology.build(mpu, tensor_parallel)
+        return topology.dp_world_size
+
+    run_config = load_config(source, data_parallel_size)
+    if run_config.tensor_parallel.autotp_size > 1:
+        from ..tensor_parallel.from_config import apply_autotp
+
+        apply_autotp(model, topology.tp_group, run_config.tensor_parallel)
     if not pipelined and run_config.pipeline != type(run_config.pipeline)():
         raise ConfigError(
             "the 'pipeline' section configures a PipelineModule (shardspeed.pipe), and the "
@@ -48,10 +67,12 @@ def initialize(
         )
     logger = logging.getLogger("shardspeed")
     logger.info(
-        "world size %d (data parallel %d, pipeline stages %d), batch %d = micro %d x accumulation %d x %d ranks",
+        "world size %d (data %d x pipeline %d x tensor %d), batch %d = micro %d x "
+        "accumulation %d x %d ranks",
         topology.world_size,
         topology.dp_world_size,
         topology.num_stages,
+        topology.tp_world_size,
         run_config.train_batch_size,
         run_config.train_micro_batch_size_per_gpu,
         run_config.gradient_accumulation_steps,

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from ..zero import (
     OffloadOptions,
     ReduceOptions,
     Stage3Options,
+    TiedParameters,
     ZeroOptimizer,
 )
 from .dataloader import DistributedDataLoader
@@ -174,8 +176,36 @@ class ShardSpeedEngine(nn.Module):
         )
 
     def _sharding_layout(self) -> dict[str, Any]:
-        """Extra layout for the optimizer's flat buffers (a pipeline stage's chunks and ties)."""
-        return {}
+        """What the optimizer needs to know beyond the data-parallel group: the parameters copied
+        on other ranks (pipeline ties; under tensor parallelism the replicated parameters, and
+        sequence-parallel ones whose gradients are partial), and the group over which gradients
+        together make the model's norm."""
+        topo = self.topology
+        ties = []
+        for tie in self._stage_ties():
+            split = all(getattr(p, "tensor_model_parallel", False) for p in tie.params)
+            ties.append(replace(tie, counted=tie.counted and (split or topo.tp_rank == 0)))
+        if topo.tp_world_size > 1:
+            taken = {p for tie in ties for p in tie.params}
+            rest = [p for p in self.module.parameters() if p.requires_grad and p not in taken]
+            partial = [p for p in rest if getattr(p, "sequence_parallel", False)]
+            whole = [
+                p
+                for p in rest
+                if not getattr(p, "sequence_parallel", False)
+                and not getattr(p, "tensor_model_parallel", False)
+            ]
+            first = topo.tp_rank == 0
+            if partial:
+                ties.append(TiedParameters(tuple(partial), topo.tp_group, first))
+            if whole:
+                ties.append(TiedParameters(tuple(whole), topo.tp_group, first, summed=False))
+        parallel = topo.tp_world_size > 1 or topo.num_stages > 1
+        return {"ties": ties, "norm_group": topo.mp_group if parallel else None}
+
+    def _stage_ties(self) -> list[TiedParameters]:
+        """Weights tied across pipeline stages (a pipelined engine has them)."""
+        return []
 
     def _build_scheduler(self, client: Any) -> Any:
         if client is not None and self.config.scheduler is not None:

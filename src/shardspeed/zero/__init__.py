@@ -4,7 +4,13 @@ from .estimate import model_state_bytes
 from .flat import FlatLayout
 from .init import Init
 from .offload import OffloadOptions
-from .optimizer import GatherOptions, NonFiniteGradientError, ReduceOptions, ZeroOptimizer
+from .optimizer import (
+    GatherOptions,
+    NonFiniteGradientError,
+    ReduceOptions,
+    TiedParameters,
+    ZeroOptimizer,
+)
 from .partitioned import GatheredParameters, Stage3Options
 from .reducer import GradientReducer
 from .swap import AioOptions
@@ -20,6 +26,7 @@ __all__ = [
     "OffloadOptions",
     "ReduceOptions",
     "Stage3Options",
+    "TiedParameters",
     "ZeroOptimizer",
     "model_state_bytes",
 ]

@@ -78,13 +78,19 @@ class GatherOptions:
 
 @dataclass(frozen=True)
 class TiedParameters:
-    """Weights that ranks outside the data-parallel group hold copies of (a pipeline's embedding
-    reused as its output head): their gradients are summed over `group` before each step, and the
-    copy on global rank `source` is the one counted in the gradient norm."""
+    """Weights that ranks outside the data-parallel group hold copies of: a pipeline's embedding
+    reused as its head, or a layer norm replicated across tensor-parallel ranks.
+
+    With `summed`, each copy's gradient is partial and they are summed over `group` before the
+    step (the tied embedding; a norm under sequence parallelism); otherwise every copy already has
+    the whole gradient. Only copies with `counted` add to the gradient norm, so each weight counts
+    once in the model's norm.
+    """
 
     params: tuple[nn.Parameter, ...]
     group: Any
-    source: int
+    counted: bool
+    summed: bool = True
 
 
 class ZeroOptimizer:
@@ -178,7 +184,7 @@ class ZeroOptimizer:
             for b, t in enumerate(block_tie)
             if t is not None
         ]
-        uncounted = sorted(span for span, tie in self._ties if tie.source != get_rank())
+        uncounted = sorted(span for span, tie in self._ties if not tie.counted)
         total = self.layout.total if self.stage == 0 else self.layout.shard_numel()
         self._counted_spans = _complement(uncounted, total)
 
@@ -493,7 +499,7 @@ class ZeroOptimizer:
         self.finish_reduction()
         grads = self._owned_grads()
         for (start, end), tie in self._ties:
-            if end > start:
+            if end > start and tie.summed:
                 all_reduce(grads[start:end], group=tie.group)  # the copies' gradients, summed
         scale = self.loss_scaler.loss_scale
         # The one host sync of a step: whether to apply it depends on this norm.
