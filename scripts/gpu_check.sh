@@ -48,7 +48,7 @@ EOF
 } 2>&1 | tee "$OUT/env.txt"
 
 echo "== CUDA tests"
-timeout 120 python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider -rfEs \
+timeout 120 python3 -m pytest -q tests/test_cuda.py tests/test_activation_checkpointing.py -p no:cacheprovider -rfEs \
   --durations=8 2>&1 | tee "$OUT/cuda_tests.log"
 tests_rc=$?
 

@@ -86,6 +86,7 @@ _LAZY = {
 }
 _SUBMODULES = (
     "checkpoint",
+    "checkpointing",
     "comm",
     "compat",
     "config",

@@ -26,6 +26,10 @@ ALIASES: dict[str, str] = {
     "deepspeed.runtime.lr_schedules": "shardspeed.optim.lr_schedules",
     "deepspeed.runtime.zero": "shardspeed.zero",
     "deepspeed.runtime.pipe": "shardspeed.pipe",
+    # Megatron's `from deepspeed.runtime.activation_checkpointing import checkpointing`: the
+    # package stands for shardspeed, whose `checkpointing` is the module.
+    "deepspeed.runtime.activation_checkpointing": "shardspeed",
+    "deepspeed.runtime.activation_checkpointing.checkpointing": "shardspeed.checkpointing",
 }
 
 

@@ -27,19 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from ..checkpointing import checkpoint
 from ..comm import Topology
 from ..comm.topology import PipeDataParallelTopology, ProcessTopology, subgroup
 from ..zero.optimizer import TiedParameters
 
 logger = logging.getLogger("shardspeed")
-
-
-def checkpoint(function: Callable, *args: Any) -> Any:
-    """Activation checkpointing of one layer range: recompute it in backward instead of keeping
-    its activations (non-reentrant, so inputs that need no gradient, such as token ids, work)."""
-    return _torch_checkpoint(function, *args, use_reentrant=False)
 
 
 class LayerSpec:

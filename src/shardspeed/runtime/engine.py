@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from .. import checkpointing
 from ..checkpoint import load_engine, save_engine
 from ..comm import Topology, barrier, get_local_rank
 from ..config import ShardSpeedConfig, optimizer_params, scheduler_params
@@ -93,6 +94,12 @@ class ShardSpeedEngine(nn.Module):
             if training_data is not None
             else None
         )
+        # The activation_checkpointing section acts here (DeepSpeed needs the script to call
+        # checkpointing.configure); a default section leaves a script's own configure() alone.
+        self._checkpoint_calls: int | None = None
+        if config.activation_checkpointing != type(config.activation_checkpointing)():
+            checkpointing.configure_from_config(config.activation_checkpointing, topology)
+            self._checkpoint_calls = checkpointing.calls()
         self._prepare_micro_step()
 
     # -- construction -------------------------------------------------------------------------
@@ -316,6 +323,12 @@ class ShardSpeedEngine(nn.Module):
         if self.global_steps == 1:
             sizes = ", ".join(f"{k} {_size(v)}" for k, v in self.memory_breakdown().items())
             logger.info("model state held per rank after the first step: %s", sizes)
+            if self._checkpoint_calls == checkpointing.calls():
+                logger.warning(
+                    "the config has an 'activation_checkpointing' section, but the model never "
+                    "called shardspeed.checkpointing.checkpoint (deepspeed.checkpointing."
+                    "checkpoint): nothing was checkpointed"
+                )
 
     def _reduces_this_micro_step(self) -> bool:
         return self.is_gradient_accumulation_boundary() and not self._in_no_sync

@@ -1,0 +1,44 @@
+"""Tensor parallelism through `initialize` (automatic, by name policy) alone and composed with data
+parallelism (ZeRO 0, 1, 2) and pipeline parallelism, each equal to the single-process fp32
+reference after 5 steps; checkpoints reshard between tensor-parallel sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+import tp_model as tm
+
+# fp32 against fp32, only the summation order differs (tensor-parallel partial sums, micro-batch
+# accumulation): the issue asks for 1e-5 relative.
+TOL = 1e-5
+
+
+def _check(whole: dict, expected: dict) -> None:
+    assert sorted(whole) == sorted(expected)
+    for name, value in expected.items():
+        err = ((whole[name] - value).norm() / value.norm()).item()
+        assert err <= TOL, f"{name}: relative error {err:.1e}"
+
+
+def test_tensor_parallel_two(pool2):
+    _check(tm.join(pool2.run(tm.train_tp, 2)), tm.reference(tm.MICRO))
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_tensor_two_by_data_two(pool4, zero):
+    _check(tm.join(pool4.run(tm.train_tp, 2, zero)), tm.reference(tm.MICRO * 2))
+
+
+def test_tensor_two_by_pipeline_two(pool4):
+    results = pool4.run(tm.train_tp_pipe, 2, 2)
+    _check(tm.join(results), tm.pipeline_reference(tm.MICRO * 2))
+
+
+def test_checkpoint_from_tensor_two_by_data_two_loads_at_one_rank(pool4, tmp_path):
+    path = str(tmp_path / "ckpt")
+    global_size = tm.MICRO * 2
+    pool4.run(tm.train_tp, 2, 1, global_size, path)
+    from shardspeed.testing import run_on_ranks
+
+    [resumed] = run_on_ranks(tm.train_tp, 1, 1, 0, global_size, None, path)
+    _check(tm.join([resumed]), tm.reference(global_size))
