@@ -78,7 +78,10 @@ class PipelineEngine(ShardSpeedEngine):
         self.link = StageLink(self.device, model.dynamic_shape)
         self.data_iterator: Iterator | None = None
         self.agg_train_loss: torch.Tensor | None = None
-        self.bubble: tuple[float, float] | None = None  # (measured, theory) of the last step
+        # (measured idle fraction over this stage's own window, theory) of the last step, and
+        # (busy, elapsed) seconds behind it; bubble_report() has the pipeline-wide figures.
+        self.bubble: tuple[float, float] | None = None
+        self._times = (float("nan"), float("nan"))
         # The most micro-batches whose activations this rank held at once (forward done,
         # backward not yet), in the last train_batch: what the schedule costs in memory.
         self.peak_live_micro_batches = 0
@@ -143,6 +146,7 @@ class PipelineEngine(ShardSpeedEngine):
             elif isinstance(batch[0], ReduceGrads):
                 self.optimizer.finish_reduction()
                 elapsed = time.perf_counter() - start
+                self._times = (run.busy, elapsed)
                 self.bubble = (1.0 - run.busy / elapsed, bubble_fraction(*self._shape(m)))
             else:
                 self._execute(batch, run, m, last_backward)
@@ -188,19 +192,25 @@ class PipelineEngine(ShardSpeedEngine):
         return output, joined
 
     def bubble_report(self) -> list[dict[str, float]]:
-        """Every stage's measured idle fraction in the last train_batch, with the theory.
+        """Every stage's idle fraction in the last train_batch over the pipeline's window (the
+        longest stage's schedule time), with the theory. Collective: every rank calls it; one
+        entry per stage, from data-parallel replica 0 (tensor rank 0).
 
-        Collective (every rank calls it); one entry per pipeline stage, from data-parallel
-        replica 0.
+        `engine.bubble` is this rank's over its own window, which is the pipeline's on the first
+        stage only: the others reach the end of their lists before the first stage's last
+        backward ends, and wait for it in the step that follows.
         """
-        measured, theory = self.bubble if self.bubble is not None else (float("nan"),) * 2
-        mine = torch.tensor([self.stage_id, self.topology.dp_rank, measured, theory])
-        everyone = [torch.zeros(4) for _ in range(self.world_size)]
+        busy, elapsed = self._times
+        theory = self.bubble[1] if self.bubble is not None else float("nan")
+        topo = self.topology
+        mine = torch.tensor([self.stage_id, topo.dp_rank, topo.tp_rank, busy, elapsed, theory])
+        everyone = [torch.zeros(6) for _ in range(self.world_size)]
         all_gather(everyone, mine)
+        first = [e.tolist() for e in everyone if e[1] == 0 and e[2] == 0]
+        window = max(e[4] for e in first)
         return [
-            {"stage": int(s), "measured": float(x), "theory": float(t)}
-            for s, d, x, t in (e.tolist() for e in everyone)
-            if d == 0
+            {"stage": int(s), "measured": 1.0 - b / window, "theory": t}
+            for s, _, _, b, _, t in sorted(first)
         ]
 
     # -- running instructions ---------------------------------------------------------------------
