@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from shardspeed.tensor_parallel import auto_tensor_parallel
 from torch import nn
 
 import shardspeed
@@ -16,6 +15,7 @@ from shardspeed.checkpoint.format import Split
 from shardspeed.comm import Topology
 from shardspeed.comm.topology import PipeModelDataParallelTopology
 from shardspeed.pipe import LayerSpec, PipelineModule
+from shardspeed.tensor_parallel import auto_tensor_parallel
 
 VOCAB, DIM, SEQ, HEADS, BLOCKS = 32, 16, 8, 4, 2
 HEAD_DIM = DIM // HEADS
