@@ -24,6 +24,11 @@ def test_tensor_parallel_two(pool2):
     _check(tm.join(pool2.run(tm.train_tp, 2)), tm.reference(tm.MICRO))
 
 
+def test_tp_model_init_records_the_size_for_initialize(pool2):
+    results = pool2.run(tm.train_tp, 2, tp_model_init=True)
+    _check(tm.join(results), tm.reference(tm.MICRO))
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2])
 def test_tensor_two_by_data_two(pool4, zero):
     _check(tm.join(pool4.run(tm.train_tp, 2, zero)), tm.reference(tm.MICRO * 2))

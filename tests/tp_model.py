@@ -132,6 +132,7 @@ def train_tp(
     global_size: int | None = None,
     save: str | None = None,
     load: str | None = None,
+    tp_model_init: bool = False,
 ) -> dict:
     """GPT through `initialize` with `tensor_parallel.autotp_size` tp, data parallel over the
     rest, global batches of `global_size` sequences (default: one micro-batch per replica).
@@ -140,6 +141,9 @@ def train_tp(
     gas = (global_size or MICRO * dp) // (MICRO * dp)
     model = GPT()
     autotp = {"autotp_size": tp, "partition_config": {"layer_specs": LAYER_SPECS}} if tp > 1 else {}
+    if tp_model_init:  # DeepSpeed's entry point records the size; initialize splits
+        model = shardspeed.tp_model_init(model, tp, torch.float32)
+        autotp.pop("autotp_size")
     engine, *_ = shardspeed.initialize(
         model=model,
         config=config(dp, gas, zero_optimization={"stage": zero}, tensor_parallel=autotp),

@@ -24,6 +24,7 @@ __all__ = [
     "comm",
     "init_distributed",
     "initialize",
+    "tp_model_init",
 ]
 
 
@@ -79,6 +80,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 # Public names that live in rooms importing torch: loaded on first use (PEP 562).
 _LAZY = {
     "initialize": "shardspeed.runtime.api",
+    "tp_model_init": "shardspeed.runtime.api",
     "ShardSpeedEngine": "shardspeed.runtime.engine",
     "init_distributed": "shardspeed.comm",
     "ConfigError": "shardspeed.config",

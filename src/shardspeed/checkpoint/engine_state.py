@@ -456,6 +456,9 @@ def load_engine(
             engine.lr_scheduler.load_state_dict(decode(manifest["lr_scheduler"], read_extra))
         for key, value in manifest["counters"].items():
             setattr(engine, key, value)
+        # Accumulation windows start afresh: the saved count was in the saving run's
+        # accumulation steps, which a load at another world size or batch split changes.
+        engine._first_micro_step = engine.micro_steps
         if engine.training_dataloader is not None and manifest["data_loader"] is not None:
             engine.training_dataloader.load_state_dict(manifest["data_loader"])
         rank = get_rank()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch import nn
 
 from .. import comm
@@ -46,7 +47,7 @@ def initialize(
 
     def data_parallel_size(config: Any) -> int:
         nonlocal topology
-        tensor_parallel = config.tensor_parallel.autotp_size
+        tensor_parallel = _tensor_parallel_size(model, config)
         if pipelined and tensor_parallel > 1:
             raise ConfigError(
                 "tensor_parallel.autotp_size with a PipelineModule: give the module a "
@@ -56,7 +57,7 @@ def initialize(
         return topology.dp_world_size
 
     run_config = load_config(source, data_parallel_size)
-    if run_config.tensor_parallel.autotp_size > 1:
+    if topology.tp_world_size > 1 and not pipelined and mpu is None:
         from ..tensor_parallel.from_config import apply_autotp
 
         apply_autotp(model, topology.tp_group, run_config.tensor_parallel)
@@ -118,3 +119,42 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     if len(given) > 1:
         raise ConfigError(f"the config is given twice ({' and '.join(given)}): keep one")
     return next(iter(given.values()))
+
+
+def tp_model_init(
+    model: nn.Module, tp_size: int, dtype: torch.dtype, config: Any = None, **kwargs: Any
+) -> nn.Module:
+    """DeepSpeed's AutoTP entry point: records `tp_size` for `initialize`, which splits the model
+    over tensor-parallel groups of that size (as DeepSpeed 0.19.8 does: the split happens there).
+    `dtype` must agree with the config's precision."""
+    if config is not None or kwargs:
+        raise ValueError(
+            "tp_model_init(config=..., ...) is not supported: give the 'tensor_parallel' section "
+            "to initialize()"
+        )
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be at least 1, got {tp_size}")
+    model._shardspeed_tp_init = (tp_size, dtype)
+    return model
+
+
+_PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _tensor_parallel_size(model: nn.Module, config: Any) -> int:
+    """`tensor_parallel.autotp_size`, or what `tp_model_init` recorded; they must agree."""
+    size = config.tensor_parallel.autotp_size
+    recorded = getattr(model, "_shardspeed_tp_init", None)
+    if recorded is None:
+        return size
+    tp_size, dtype = recorded
+    if size not in (0, tp_size):
+        raise ConfigError(
+            f"tensor_parallel.autotp_size is {size} but tp_model_init() asked for {tp_size}"
+        )
+    if dtype != _PRECISION_DTYPES[config.precision]:
+        raise ConfigError(
+            f"tp_model_init(dtype={dtype}) but the config trains in {config.precision}: set the "
+            "fp16 / bf16 section to match"
+        )
+    return tp_size
