@@ -15,7 +15,7 @@ from shardspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 VOCAB, DIM, SEQ, BLOCKS = 32, 16, 8, 6
 BASE_SEED = 1234
 LR = 0.01
-STEPS = 3
+STEPS = 5
 
 
 class Embedding(nn.Module):

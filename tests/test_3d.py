@@ -34,6 +34,10 @@ def test_tensor_two_by_data_two(pool4, zero):
     _check(tm.join(pool4.run(tm.train_tp, 2, zero)), tm.reference(tm.MICRO * 2))
 
 
+def test_a_users_megatron_mpu(pool4):
+    _check(tm.join(pool4.run(tm.train_with_mpu, 2)), tm.reference(tm.MICRO * 2))
+
+
 def test_tensor_two_by_pipeline_two(pool4):
     results = pool4.run(tm.train_tp_pipe, 2, 2)
     _check(tm.join(results), tm.pipeline_reference(tm.MICRO * 2))

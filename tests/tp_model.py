@@ -265,3 +265,47 @@ def train_tp_pipe(tp: int, stages: int, gas: int = 2) -> dict:
         "stage": engine.stage_id,
         "params": local_params(model, tp),
     }
+
+
+class MegatronMpu:
+    """A user's own Megatron-style mpu over groups the script made itself."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+
+    def get_model_parallel_rank(self) -> int:
+        return self.topology.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.topology.tp_world_size
+
+    def get_model_parallel_group(self) -> Any:
+        return self.topology.tp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.topology.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.topology.dp_world_size
+
+    def get_data_parallel_group(self) -> Any:
+        return self.topology.dp_group
+
+
+def train_with_mpu(tp: int) -> dict:
+    """The script splits the model itself and passes its mpu, as Megatron-DeepSpeed does."""
+    world = torch.distributed.get_world_size()
+    dp = world // tp
+    groups = Topology.from_mesh(PipeModelDataParallelTopology(1, tp, dp))
+    model = auto_tensor_parallel(GPT(), groups.tp_group, policy=POLICY)
+    engine, *_ = shardspeed.initialize(model=model, mpu=MegatronMpu(groups), config=config(dp))
+    for step in range(STEPS):
+        for ids, labels in micro_batches(step, dp, groups.dp_rank, 1):
+            engine.backward(loss_fn(engine(ids), labels))
+            engine.step()
+    return {
+        "stage": 0,
+        "tp_rank": groups.tp_rank,
+        "dp_rank": groups.dp_rank,
+        "params": local_params(model, tp),
+    }
