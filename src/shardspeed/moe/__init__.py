@@ -1,0 +1,6 @@
+"""`shardspeed.moe` (DeepSpeed's `deepspeed.moe`): mixture of experts.
+
+So far the gate (`gating.TopKGate`: top-1 and top-2 routing, capacity and token dropping, noisy
+gating, random token selection, the load-balancing loss, and beyond DeepSpeed a temperature and
+per-expert load factors). The `MoE` layer with expert parallelism is issue 9's next part.
+"""
