@@ -51,3 +51,17 @@ def test_checkpoint_from_tensor_two_by_data_two_loads_at_one_rank(pool4, tmp_pat
 
     [resumed] = run_on_ranks(tm.train_tp, 1, 1, 0, global_size, None, path)
     _check(tm.join([resumed]), tm.reference(global_size))
+
+
+def _partitioned_refused() -> str:
+    from shardspeed.config import ConfigError
+
+    try:
+        tm.train_tp_pipe(2, 2, pipeline={"pipe_partitioned": True})
+    except ConfigError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_explicit_pipe_partitioned_is_refused_with_tensor_parallelism(pool4):
+    assert "pipeline.pipe_partitioned" in pool4.run(_partitioned_refused)[0]

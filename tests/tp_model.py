@@ -243,7 +243,7 @@ def _pipe_name(name: str) -> str:
     return f"{index}.block.{rest}" if 0 < int(index) <= BLOCKS else name
 
 
-def train_tp_pipe(tp: int, stages: int, gas: int = 2) -> dict:
+def train_tp_pipe(tp: int, stages: int, gas: int = 2, **extra: Any) -> dict:
     """The GPT as a PipelineModule over a pipe x data x tensor mesh, blocks split over tensor."""
     world = torch.distributed.get_world_size()
     dp = world // (tp * stages)
@@ -256,7 +256,7 @@ def train_tp_pipe(tp: int, stages: int, gas: int = 2) -> dict:
         base_seed=100,
         partition_method="uniform",
     )
-    engine, *_ = shardspeed.initialize(model=model, config=config(dp, gas))
+    engine, *_ = shardspeed.initialize(model=model, config=config(dp, gas, **extra))
     for step in range(STEPS):
         engine.train_batch(micro_batches(step, dp, engine.topology.dp_rank, gas))
     return {

@@ -216,8 +216,10 @@ class PipelineConfig(StrictModel):
 
     `schedule` (a shardspeed key) picks the instruction lists: "1f1b" (DeepSpeed's only schedule,
     the default), "gpipe" (fill-drain) or "interleaved_1f1b" (Megatron's, for a module built with
-    `virtual_stages` > 1). `pipe_partitioned` and `grad_partitioned` split activations across
-    tensor-parallel ranks in DeepSpeed, so they act only with tensor parallelism (issue 8).
+    `virtual_stages` > 1). `pipe_partitioned` and `grad_partitioned` split, in DeepSpeed, the
+    activations and gradients sent between stages across tensor-parallel ranks; shardspeed sends
+    each tensor rank's whole tensor (their `false`), so an explicit `true` is refused where it
+    would act (tensor and pipeline parallelism together); the default changes nothing.
     """
 
     stages: Literal["auto"] | PositiveInt = "auto"

@@ -440,6 +440,13 @@ def _check_config(model: Any, config: Any) -> None:
         )
     if interval:
         model.set_checkpoint_interval(interval)
+    explicit = [k for k in ("pipe_partitioned", "grad_partitioned") if k in pipe.model_fields_set]
+    if model.topo.tp_world_size > 1 and any(getattr(pipe, k) for k in explicit):
+        raise ConfigError(
+            f"pipeline.{explicit[0]} true: splitting the tensors sent between stages across "
+            "tensor-parallel ranks is not implemented (each rank sends its whole tensor); set it "
+            "false or leave it out"
+        )
     interleaved = pipe.schedule == "interleaved_1f1b"
     if interleaved != (model.virtual_stages > 1):
         raise ConfigError(
