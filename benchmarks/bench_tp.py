@@ -50,7 +50,7 @@ from torch import nn
 
 import bench_pipe
 import common
-from bench_pipe import BASE_SEED, MIB, N_BLOCKS, Embedding, global_batches, head, loss_fn
+from bench_pipe import BASE_SEED, MIB, N_BLOCKS, Embedding, global_batches, head, loss_fn, med
 from bench_zero import shardspeed_source
 from common import BENCH_MD, CLIP, D_MODEL, LR, N_HEADS, SEQ, VOCAB, versions
 
@@ -634,11 +634,6 @@ def worker(args) -> None:
 # --------------------------------------------------------------------------------------------
 # Orchestrator side
 # --------------------------------------------------------------------------------------------
-
-
-def med(results, mode: str, key: str = "tokens_per_s"):
-    runs = results.get((mode, WORLD)) or []
-    return statistics.median(r[key] for r in runs) if runs else None
 
 
 def rank_values(results, mode: str, fn) -> list:
