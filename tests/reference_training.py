@@ -109,3 +109,11 @@ def assert_close_relative(actual: list, expected: list, tol: float) -> None:
     for a, e in zip(actual, expected):
         err = ((a - e).norm() / e.norm()).item()
         assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+
+
+def assert_named_close(actual: dict, expected: dict, tol: float) -> None:
+    """Same names, and each tensor within `tol` relative (norm of the difference over the norm)."""
+    assert sorted(actual) == sorted(expected)
+    for name, value in expected.items():
+        err = ((actual[name] - value).norm() / value.norm()).item()
+        assert err <= tol, f"{name}: relative error {err:.1e} > {tol:.0e}"

@@ -65,12 +65,22 @@ def test_residual_moe_mixes_a_dense_mlp():
     assert torch.allclose(out, moe_out * mix[..., :1] + layer.mlp(x) * mix[..., 1:], atol=1e-6)
 
 
-def test_what_comes_later_is_refused():
-    for kwargs in ({"ep_size": 2}, {"use_tutel": True}, {"enable_expert_tensor_parallelism": True}):
-        with pytest.raises(NotImplementedError, match="issue 9"):
+def test_unsupported_options_are_refused():
+    for kwargs in ({"use_tutel": True}, {"enable_expert_tensor_parallelism": True}):
+        with pytest.raises(NotImplementedError, match="not supported"):
             MoE(DIM, _expert(), num_experts=EXPERTS, **kwargs)
     with pytest.raises(ValueError, match="divisible"):
         MoE(DIM, _expert(), num_experts=3, ep_size=2)
+
+
+def test_expert_parallel_layer_needs_its_groups():
+    layer = MoE(DIM, _expert(), num_experts=EXPERTS, ep_size=2)
+    assert layer.num_local_experts == EXPERTS // 2
+    marks = {(p.allreduce, p.group_name) for p in layer.deepspeed_moe.experts.parameters()}
+    assert marks == {(False, "ep_size_2")}
+    assert not hasattr(layer.deepspeed_moe.gate.wg.weight, "allreduce")
+    with pytest.raises(RuntimeError, match=r"shardspeed\.initialize"):
+        layer(torch.randn(2, 4, DIM))
 
 
 class _Net(nn.Module):

@@ -199,9 +199,10 @@ def _collect(
         return f"tp/{logical_name}/{tp_rank}"
 
     splits_seen: dict[str, dict[str, Any]] = {}
-    sharded = zopt.stage >= 1
-    if sharded or writes_replicated:
-        for k, pieces in enumerate(zopt.master_pieces()):
+    for k, pieces in enumerate(zopt.master_pieces()):
+        # Shards are each rank's own; whole copies are written once (expert-parallel experts by
+        # the first rank holding them).
+        if zopt.writes_master(k, writes_replicated):
             flat = zopt.master_value(k)
             tensors[f"master.{k}"] = flat
             state = zopt.state_of(k)
@@ -218,10 +219,10 @@ def _collect(
                     add(key, f"optim.{n}.{k}", v, start, length, shape)
                     logical[key]["pieces"][-1].append(offset)
     if writes_replicated:
-        managed = set(zopt.param_names)
+        managed = set(zopt.params)
         if not exclude_frozen:
             for name, p in engine.module.named_parameters():
-                if name not in managed:
+                if p not in managed:
                     key = f"frozen.{name}"
                     tensors[key] = p.detach().reshape(-1)
                     add(f"param/{name}", key, p, 0, p.numel(), p.shape)
@@ -483,9 +484,9 @@ def load_parameters(
                 for name, start, offset, length in own:
                     if f"param/{name}" in source:
                         flat[offset : offset + length] = read(f"param/{name}", name, start, length)
-        managed = set(zopt.param_names)
+        managed = set(zopt.params)
         for name, p in engine.module.named_parameters():
-            if name not in managed and f"param/{name}" in source:
+            if p not in managed and f"param/{name}" in source:
                 p.copy_(source.read_whole(f"param/{name}"))
         for name, b in engine.module.named_buffers():
             if f"buffer/{name}" in source:
@@ -520,13 +521,20 @@ def _check_names(
     engine: Any, source: TensorSource, strict: bool, label: str, exclude_frozen: bool
 ) -> None:
     saved = {n[len("param/") :] for n in source.names("param/")}
-    params = dict(engine.module.named_parameters())
+    zopt = engine.optimizer
+    managed = set(zopt.params)
+    # Parameters by checkpoint name: the optimizer's names (an expert-parallel expert is called
+    # by its global index), and frozen parameters by their module names.
+    params = dict(zip(zopt.param_names, zopt.params))
+    params.update((n, p) for n, p in engine.module.named_parameters() if p not in managed)
     model = set(params)
     if exclude_frozen:
         model = {n for n, p in params.items() if p.requires_grad}
     # Second names of shared parameters and buffers may be present without being parameters.
     known = model | set(_aliases(engine.module)) | {n for n, _ in engine.module.named_buffers()}
-    if engine.topology.num_stages > 1:  # a name is expected if any stage holds it
+    expert_parallel = any(m.ep_size > 1 for m in getattr(engine, "moe_layers", {}).values())
+    if engine.topology.num_stages > 1 or expert_parallel:
+        # A name is expected if any rank holds it (another stage, other experts).
         known = set().union(*map(set, all_gather_json(sorted(known))))
     missing, unexpected = sorted(model - saved), sorted(saved - known)
     if strict and (missing or unexpected):
@@ -534,7 +542,7 @@ def _check_names(
             f"{label} does not match the model (strict loading): "
             f"missing {missing[:10]}, unexpected {unexpected[:10]}"
         )
-    shapes = dict(zip(engine.optimizer.param_names, engine.optimizer.layout.shapes))
+    shapes = dict(zip(zopt.param_names, zopt.layout.shapes))
     splits = tensor_parallel_splits(engine)
     for name in model & saved:
         shape = tuple(shapes.get(name, params[name].shape))

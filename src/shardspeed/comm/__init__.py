@@ -6,6 +6,7 @@ from .comm import (
     all_gather,
     all_gather_into_tensor,
     all_reduce,
+    all_to_all_single,
     barrier,
     broadcast,
     collective_sequence,
@@ -21,15 +22,17 @@ from .comm import (
     reduce_scatter_tensor,
     reset_comm_volume,
 )
-from .topology import Topology
+from .topology import ExpertGroups, Topology
 
 __all__ = [
     "CollectiveError",
+    "ExpertGroups",
     "ReduceOp",
     "Topology",
     "all_gather",
     "all_gather_into_tensor",
     "all_reduce",
+    "all_to_all_single",
     "barrier",
     "broadcast",
     "collective_sequence",

@@ -398,6 +398,15 @@ def reduce(
     return _run("reduce", group, async_op, dist.reduce, tensor, dst=dst, op=op)
 
 
+def all_to_all_single(
+    output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    """Split `tensor` into equal chunks along dim 0, the i-th to group rank i; `output` gets the
+    chunks sent here, in rank order."""
+    _count("all_to_all", tensor)
+    return _run("all_to_all_single", group, async_op, dist.all_to_all_single, output, tensor)
+
+
 def all_gather(
     outputs: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> Any:

@@ -4,7 +4,12 @@ A `ProcessTopology` (DeepSpeed's class of that name) is a mesh of named axes, th
 fastest: with axes (pipe, data) and sizes (2, 2), ranks 0 and 1 are stage 0's two data-parallel
 replicas. `Topology` is this rank's view of it: its coordinates, the data-parallel group it averages
 gradients over, the pipeline group its stages form and the tensor-parallel group its split layers
-use. A Megatron-style `mpu` is honoured. The expert axis joins in a later issue.
+use. A Megatron-style `mpu` is honoured.
+
+Expert parallelism splits each data-parallel group further (`Topology.expert_groups`): runs of
+`ep_size` consecutive data-parallel ranks share out a mixture-of-experts layer's experts (the expert
+group, which exchanges tokens all-to-all), and the ranks at the same place in every run hold the same
+experts (the expert-data group, which averages their gradients), as DeepSpeed lays them out.
 """
 
 from __future__ import annotations
@@ -105,6 +110,18 @@ class PipeModelDataParallelTopology(ProcessTopology):
 
 
 @dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's groups for one expert-parallel size (see the module docstring)."""
+
+    ep_size: int
+    ep_rank: int
+    ep_group: Any
+    expert_data_rank: int
+    expert_data_size: int
+    expert_data_group: Any
+
+
+@dataclass(frozen=True)
 class Topology:
     """This rank's place and groups: data-parallel (gradients averaged, ZeRO shards), pipeline
     (stages), tensor-parallel (layers split), and model-parallel (pipeline x tensor: the ranks
@@ -128,6 +145,7 @@ class Topology:
     tp_group: Any = None
     mp_group: Any = None
     mesh: ProcessTopology | None = field(default=None, compare=False)
+    _experts: dict[int, ExpertGroups] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, mpu: Any = None, tensor_parallel: int = 1) -> Topology:
@@ -189,6 +207,40 @@ class Topology:
         )
         mesh._shardspeed_topology = topology
         return topology
+
+    def expert_groups(self, ep_size: int) -> ExpertGroups:
+        """The expert and expert-data groups for `ep_size` (collective the first time for each
+        size: every rank makes every group, in order)."""
+        if ep_size in self._experts:
+            return self._experts[ep_size]
+        if ep_size < 1 or self.dp_world_size % ep_size:
+            raise ValueError(
+                f"ep_size {ep_size} must divide the data-parallel size {self.dp_world_size}"
+            )
+        if self.mesh is not None:
+            data_lists = self.mesh.get_axis_comm_lists("data") or [
+                [r] for r in range(self.world_size)
+            ]
+        elif self.dp_world_size == self.world_size:
+            data_lists = [list(range(self.world_size))]
+        else:
+            raise ValueError(
+                "expert parallelism needs the data-parallel groups laid out by shardspeed "
+                "(a config's tensor_parallel, or a pipeline's topology), not a user's mpu"
+            )
+        expert_lists = [d[i : i + ep_size] for d in data_lists for i in range(0, len(d), ep_size)]
+        replica_lists = [d[j::ep_size] for d in data_lists for j in range(ep_size)]
+        ep_group, expert_data_group = subgroup(expert_lists), subgroup(replica_lists)
+        groups = ExpertGroups(
+            ep_size,
+            self.dp_rank % ep_size,
+            ep_group,
+            self.dp_rank // ep_size,
+            self.dp_world_size // ep_size,
+            expert_data_group,
+        )
+        self._experts[ep_size] = groups
+        return groups
 
     def stage_rank(self, stage: int) -> int:
         """The global rank of `stage` in this rank's pipeline (same data and tensor index)."""

@@ -2,10 +2,14 @@
 outputs are combined by the gate's weights; `forward` returns (output, l_aux, exp_counts).
 
 Parameters are named as DeepSpeed names them (`deepspeed_moe.gate.wg.weight`,
-`deepspeed_moe.experts.deepspeed_experts.<i>.<name>`), so state dicts move between the two.
-Expert parallelism (`ep_size` > 1: experts spread over ranks, tokens exchanged all-to-all, expert
-gradients averaged over the expert-data group) is refused until the optimizer shards expert state
-over that group (the rest of issue 9).
+`deepspeed_moe.experts.deepspeed_experts.<i>.<name>`), so state dicts move between the two, and
+expert parameters carry DeepSpeed's marks (`allreduce = False`, `group_name = "ep_size_<n>"`).
+
+Expert parallelism (`ep_size` > 1): each rank of an expert group holds `num_experts / ep_size`
+experts. Every rank gates its own tokens, sends each expert's slots to the rank holding it with one
+all-to-all, runs its experts on the slots from all ranks, and sends the results back with a second.
+The groups come from the engine's topology (`shardspeed.initialize` calls `set_expert_groups`);
+the engine's optimizer averages expert gradients over the ranks holding the same experts.
 """
 
 from __future__ import annotations
@@ -16,38 +20,94 @@ from typing import Any
 import torch
 from torch import nn
 
-from .gating import GateOutput, TopKGate
+from ..comm import ExpertGroups, all_gather, all_reduce, all_to_all_single
+from .gating import GateOutput, TopKGate, imbalance
 
 
 class Experts(nn.Module):
     """This rank's experts: independent copies of one module (DeepSpeed's `Experts`)."""
 
-    def __init__(self, expert: nn.Module, num_local_experts: int) -> None:
+    def __init__(self, expert: nn.Module, num_local_experts: int, group_name: str) -> None:
         super().__init__()
         self.deepspeed_experts = nn.ModuleList(
             copy.deepcopy(expert) for _ in range(num_local_experts)
         )
+        for param in self.deepspeed_experts.parameters():
+            # DeepSpeed's marks: not averaged over the whole data-parallel group, and which
+            # expert-parallel size's groups average them instead.
+            param.allreduce = False
+            param.group_name = group_name
 
-    def forward(self, dispatched: torch.Tensor) -> torch.Tensor:
-        """[experts, capacity, model] -> the same shape, each expert on its own slots."""
-        return torch.stack([e(x) for e, x in zip(self.deepspeed_experts, dispatched)])
+    def forward(self, slots: torch.Tensor) -> torch.Tensor:
+        """[sources, local experts, capacity, model] -> the same shape: local expert i runs on
+        `slots[:, i]`, the slots every source rank filled for it."""
+        return torch.stack([e(slots[:, i]) for i, e in enumerate(self.deepspeed_experts)], dim=1)
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all over an expert group; its gradient is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.group = group
+        tensor = tensor.contiguous()
+        out = torch.empty_like(tensor)
+        all_to_all_single(out, tensor, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, _AllToAll.apply(ctx.group, grad)
 
 
 class MOELayer(nn.Module):
-    """Gate, dispatch into [experts, capacity, model] slots, experts, combine."""
+    """Gate, dispatch into [experts, capacity, model] slots, exchange, experts, exchange back,
+    combine."""
 
-    def __init__(self, gate: TopKGate, experts: Experts) -> None:
+    def __init__(self, gate: TopKGate, experts: Experts, ep_size: int) -> None:
         super().__init__()
         self.gate, self.experts = gate, experts
+        self.ep_size = ep_size
+        self.num_local_experts = len(experts.deepspeed_experts)
+        self.groups: ExpertGroups | None = None
         self.last_gate: GateOutput | None = None  # telemetry of the last forward
+        if ep_size > 1:
+            gate.capacity_fn = self._agreed_capacity
+
+    def _agreed_capacity(self, local: int) -> int:
+        """Without dropping, the busiest expert's count over the expert group: the all-to-all
+        needs the same slot count on every rank."""
+        need = torch.tensor([local], dtype=torch.int64, device=self.gate.wg.weight.device)
+        all_reduce(need, op=torch.distributed.ReduceOp.MAX, group=self._groups().ep_group)
+        return int(need)
+
+    def _groups(self) -> ExpertGroups:
+        if self.groups is None:
+            raise RuntimeError(
+                f"this MoE layer has ep_size {self.ep_size} and no expert groups yet: pass the "
+                "model to shardspeed.initialize (which makes them from its topology) before "
+                "running it"
+            )
+        return self.groups
 
     def forward(self, hidden: torch.Tensor, used_token: torch.Tensor | None = None) -> tuple:
         tokens = hidden.reshape(-1, hidden.shape[-1])
         routed = self.gate(tokens, used_token)
         self.last_gate = routed
         dispatched = torch.einsum("sec,sm->ecm", routed.dispatch_mask.type_as(tokens), tokens)
+        # [experts, capacity, model] in expert order is, in rank order, each expert-group rank's
+        # [local experts, capacity, model]: one equal chunk per destination.
+        capacity, model = dispatched.shape[1:]
+        if self.ep_size > 1:
+            dispatched = _AllToAll.apply(self._groups().ep_group, dispatched)
+        slots = dispatched.reshape(self.ep_size, self.num_local_experts, capacity, model)
+        expert_output = self.experts(slots)
+        if self.ep_size > 1:
+            expert_output = _AllToAll.apply(self._groups().ep_group, expert_output)
         combined = torch.einsum(
-            "sec,ecm->sm", routed.combine_weights.type_as(tokens), self.experts(dispatched)
+            "sec,ecm->sm",
+            routed.combine_weights.type_as(tokens),
+            expert_output.reshape(-1, capacity, model),
         )
         return combined.reshape(hidden.shape), routed.l_aux, routed.exp_counts
 
@@ -82,15 +142,14 @@ class MoE(nn.Module):
                 f"num_experts ({num_experts}) must be divisible by ep_size ({ep_size})"
             )
         unsupported = {
-            "ep_size > 1 (expert parallelism)": ep_size > 1,
-            "use_tutel": use_tutel,
+            "use_tutel (Tutel's fused kernels)": use_tutel,
             "enable_expert_tensor_parallelism": enable_expert_tensor_parallelism,
         }
         refused = [name for name, asked in unsupported.items() if asked]
         if refused:
             raise NotImplementedError(
-                f"MoE({', '.join(refused)}) is not supported yet (issue 9): experts run on every "
-                "rank, averaged with the other parameters"
+                f"MoE({', '.join(refused)}) is not supported: experts run whole on their rank, "
+                "with the einsum dispatch"
             )
         self.ep_size, self.num_experts = ep_size, num_experts
         self.num_local_experts = num_experts // ep_size
@@ -109,11 +168,47 @@ class MoE(nn.Module):
             temperature,
             load_factors,
         )
-        self.deepspeed_moe = MOELayer(gate, Experts(expert, self.num_local_experts))
+        self.expert_group_name = f"ep_size_{ep_size}"
+        self.deepspeed_moe = MOELayer(
+            gate, Experts(expert, self.num_local_experts, self.expert_group_name), ep_size
+        )
         if use_residual:
             # Residual MoE: a dense MLP beside the experts, mixed by a learned 2-way softmax.
             self.mlp = copy.deepcopy(expert)
             self.coefficient = nn.Linear(hidden_size, 2)
+
+    def set_expert_groups(self, groups: ExpertGroups) -> None:
+        """Use `groups` (from `Topology.expert_groups(ep_size)`) for the all-to-all exchange."""
+        if groups.ep_size != self.ep_size:
+            raise ValueError(
+                f"groups are for ep_size {groups.ep_size}, this layer has {self.ep_size}"
+            )
+        self.deepspeed_moe.groups = groups
+
+    def global_expert_index(self, local: int) -> int:
+        """Which of the layer's experts local expert `local` is, on this rank."""
+        groups = self.deepspeed_moe.groups
+        ep_rank = groups.ep_rank if groups is not None else 0
+        return ep_rank * self.num_local_experts + local
+
+    def all_experts_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Every expert's state (parameters and buffers) under its global index, gathered from
+        the expert group (collective over it): what the layer's experts are at ep_size 1."""
+        stem = f"{prefix}deepspeed_moe.experts.deepspeed_experts."
+        local = self.deepspeed_moe.experts.deepspeed_experts
+        if self.ep_size == 1:
+            return {
+                f"{stem}{i}.{n}": t for i, e in enumerate(local) for n, t in e.state_dict().items()
+            }
+        group = self.deepspeed_moe._groups().ep_group
+        gathered: dict[int, dict[str, torch.Tensor]] = {}
+        for i, expert in enumerate(local):
+            for name, tensor in expert.state_dict().items():
+                parts = [torch.empty_like(tensor) for _ in range(self.ep_size)]
+                all_gather(parts, tensor.detach().contiguous(), group=group)
+                for r, part in enumerate(parts):
+                    gathered.setdefault(r * self.num_local_experts + i, {})[name] = part
+        return {f"{stem}{g}.{n}": t for g in sorted(gathered) for n, t in gathered[g].items()}
 
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None) -> tuple:
         output, l_aux, exp_counts = self.deepspeed_moe(hidden_states, used_token)
@@ -123,7 +218,9 @@ class MoE(nn.Module):
         return output, l_aux, exp_counts
 
     def expert_load(self) -> dict[str, Any]:
-        """The last forward's routing: tokens asked of each expert, tokens each got, dropped."""
+        """The last forward's routing on this rank: tokens asked of each expert (`exp_counts`),
+        tokens each got (`tokens_per_expert`), tokens dropped, and the imbalance (busiest expert's
+        tokens over the mean). Tensors stay on the device; only `imbalance` syncs."""
         last = self.deepspeed_moe.last_gate
         if last is None:
             return {}
@@ -131,4 +228,5 @@ class MoE(nn.Module):
             "exp_counts": last.exp_counts,
             "tokens_per_expert": last.tokens_per_expert,
             "dropped": last.dropped,
+            "imbalance": imbalance(last.tokens_per_expert),
         }

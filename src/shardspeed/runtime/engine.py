@@ -22,13 +22,16 @@ from torch import nn
 
 from .. import checkpointing
 from ..checkpoint import load_engine, save_engine
-from ..comm import Topology, barrier, get_local_rank
+from ..comm import Topology, all_reduce, barrier, get_local_rank
 from ..config import ShardSpeedConfig, optimizer_params, scheduler_params
 from ..config.errors import ConfigError
+from ..moe.gating import imbalance
+from ..moe.layer import MoE
 from ..optim import build_optimizer, build_scheduler
 from ..precision import build_loss_scaler
 from ..zero import (
     AioOptions,
+    ExpertParameters,
     GatheredParameters,
     GatherOptions,
     OffloadOptions,
@@ -85,6 +88,7 @@ class ShardSpeedEngine(nn.Module):
         if self.dtype != torch.float32:
             model.to(dtype=self.dtype)
         self.module = model
+        self.moe_layers = self._connect_experts()
 
         self.basic_optimizer = self._build_optimizer(optimizer, model_parameters)
         self.optimizer = self._wrap_optimizer(self.basic_optimizer)
@@ -103,6 +107,62 @@ class ShardSpeedEngine(nn.Module):
         self._prepare_micro_step()
 
     # -- construction -------------------------------------------------------------------------
+
+    def _connect_experts(self) -> dict[str, MoE]:
+        """The model's MoE layers by name; those with ep_size > 1 get their expert groups."""
+        layers = {n: m for n, m in self.module.named_modules() if isinstance(m, MoE)}
+        parallel = sorted({m.ep_size for m in layers.values() if m.ep_size > 1})
+        if not parallel:
+            return layers
+        topo = self.topology
+        refused = {
+            "tensor parallelism": topo.tp_world_size > 1,
+            "pipeline parallelism": topo.num_stages > 1,
+            "ZeRO stage 3": self.config.zero_optimization.stage == 3,
+        }
+        if any(refused.values()):
+            with_ = ", ".join(k for k, v in refused.items() if v)
+            raise ConfigError(
+                f"MoE layers with ep_size {parallel} (expert parallelism) do not combine with "
+                f"{with_} yet: use data parallelism with ZeRO stage 0, 1 or 2, or ep_size 1"
+            )
+        for size in parallel:
+            if topo.dp_world_size % size:
+                raise ConfigError(
+                    f"an MoE layer has ep_size {size}, which does not divide the data-parallel "
+                    f"size {topo.dp_world_size}"
+                )
+            groups = topo.expert_groups(size)
+            for layer in layers.values():
+                if layer.ep_size == size:
+                    layer.set_expert_groups(groups)
+        return layers
+
+    def _expert_parameters(self) -> list[ExpertParameters]:
+        """Each expert-parallel MoE layer's trainable expert weights, with their global names."""
+        out = []
+        for prefix, layer in self.moe_layers.items():
+            if layer.ep_size == 1:
+                continue  # every rank holds every expert: averaged with the rest
+            groups = layer.deepspeed_moe.groups
+            params, names = [], []
+            experts = layer.deepspeed_moe.experts.deepspeed_experts
+            for i, expert in enumerate(experts):
+                stem = ".".join(filter(None, (prefix, "deepspeed_moe.experts.deepspeed_experts")))
+                for name, p in expert.named_parameters():
+                    if p.requires_grad:
+                        params.append(p)
+                        names.append(f"{stem}.{layer.global_expert_index(i)}.{name}")
+            out.append(
+                ExpertParameters(
+                    tuple(params),
+                    tuple(names),
+                    groups.expert_data_group,
+                    groups.expert_data_rank,
+                    groups.expert_data_size,
+                )
+            )
+        return out
 
     def _build_optimizer(self, client: Any, model_parameters: Any) -> torch.optim.Optimizer | None:
         params = model_parameters if model_parameters is not None else self.module.parameters()
@@ -208,7 +268,11 @@ class ShardSpeedEngine(nn.Module):
             if whole:
                 ties.append(TiedParameters(tuple(whole), topo.tp_group, first, summed=False))
         parallel = topo.tp_world_size > 1 or topo.num_stages > 1
-        return {"ties": ties, "norm_group": topo.mp_group if parallel else None}
+        return {
+            "ties": ties,
+            "norm_group": topo.mp_group if parallel else None,
+            "experts": self._expert_parameters(),
+        }
 
     def _stage_ties(self) -> list[TiedParameters]:
         """Weights tied across pipeline stages (a pipelined engine has them)."""
@@ -386,6 +450,9 @@ class ShardSpeedEngine(nn.Module):
         line = f"step={self.global_steps}, skipped={self.skipped_steps}, lr=[{lr}]"
         if self.fp16_enabled():
             line += f", loss_scale={self.loss_scale:g}"
+        loads = [load["imbalance"] for load in self.expert_load().values() if load]
+        if loads:
+            line += f", moe_imbalance_max={max(loads):.2f}"
         logger.info(line)
         if self._timers:
             times = " | ".join(f"{k}: {v * 1000 / every:.2f} ms" for k, v in self._timers.items())
@@ -569,8 +636,8 @@ class ShardSpeedEngine(nn.Module):
     def consolidated_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """The module's state dict with every parameter whole (collective at stage 3)."""
         params = list(self.module.parameters())
-        with GatheredParameters(params):
-            return {
+        with GatheredParameters(params):  # stage 3: whole only inside, so copy inside
+            state = {
                 name: tensor.detach().clone().contiguous()
                 for name, tensor in self.module.state_dict(keep_vars=True).items()
                 if not (
@@ -579,6 +646,13 @@ class ShardSpeedEngine(nn.Module):
                     and not tensor.requires_grad
                 )
             }
+        for prefix, layer in self.moe_layers.items():
+            if layer.ep_size > 1:  # this rank holds some experts: gather them all
+                stem = f"{prefix}.deepspeed_moe.experts." if prefix else "deepspeed_moe.experts."
+                experts = layer.all_experts_state_dict(f"{prefix}." if prefix else "")
+                state = {n: t for n, t in state.items() if not n.startswith(stem)}
+                state.update(experts)
+        return state
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, by kind, each storage counted once (views share their storage).
@@ -622,6 +696,27 @@ class ShardSpeedEngine(nn.Module):
             # comes on top of what is held between steps.
             sizes["gathered_peak"] = sharded.peak_gathered_bytes
         return sizes
+
+    def expert_load(self, over_data_parallel: bool = False) -> dict[str, dict[str, Any]]:
+        """Per MoE layer (by module name), its last forward's routing: tokens asked of each of
+        its experts (`exp_counts`), tokens each got (`tokens_per_expert`), tokens dropped, and the
+        imbalance (busiest expert's tokens over the mean). This rank's tokens, or with
+        `over_data_parallel` summed over the data-parallel group (collective)."""
+        report = {}
+        for name, layer in self.moe_layers.items():
+            load = layer.expert_load()
+            if load and over_data_parallel and self.dp_world_size > 1:
+                dropped = load["dropped"].expand_as(load["exp_counts"])
+                counts = torch.stack([load["exp_counts"], load["tokens_per_expert"], dropped])
+                all_reduce(counts, group=self.topology.dp_group)
+                load = {
+                    "exp_counts": counts[0],
+                    "tokens_per_expert": counts[1],
+                    "dropped": counts[2, 0],
+                    "imbalance": imbalance(counts[1]),
+                }
+            report[name] = load
+        return report
 
     def get_global_grad_norm(self) -> float | None:
         return self.optimizer.global_grad_norm if self.optimizer is not None else None

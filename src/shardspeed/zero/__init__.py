@@ -5,6 +5,7 @@ from .flat import FlatLayout
 from .init import Init
 from .offload import OffloadOptions
 from .optimizer import (
+    ExpertParameters,
     GatherOptions,
     NonFiniteGradientError,
     ReduceOptions,
@@ -17,6 +18,7 @@ from .swap import AioOptions
 
 __all__ = [
     "AioOptions",
+    "ExpertParameters",
     "FlatLayout",
     "GatherOptions",
     "GatheredParameters",

@@ -1,9 +1,11 @@
 """Flat buffers: many tensors laid end to end in one contiguous tensor, each kept as a view.
 
 One buffer means one collective, one norm and one copy per step instead of one per parameter.
-Tensors are laid out group by group (an optimizer param group each); every group's region is padded
-to a multiple of the shard count, so that each data-parallel rank owns one contiguous, equal range of
-every group: a ZeRO shard.
+Tensors are laid out region by region (an optimizer param group, or part of one, each); every
+region is padded to a multiple of its shard count, so that each rank of the group sharing it owns one
+contiguous, equal range of it: a ZeRO shard. Regions may have different shard counts: a mixture of
+experts' expert weights are sharded over the ranks holding the same experts, the rest over the whole
+data-parallel group.
 """
 
 from __future__ import annotations
@@ -21,15 +23,19 @@ class FlatLayout:
     shapes: tuple[torch.Size, ...]
     offsets: tuple[int, ...]
     numels: tuple[int, ...]
-    groups: tuple[tuple[int, int], ...]  # [start, end) of each group's region, padding included
-    shards: int
+    groups: tuple[tuple[int, int], ...]  # [start, end) of each region, padding included
+    shards: tuple[int, ...]  # each region's shard count
     total: int
 
     @classmethod
-    def of(cls, groups: Sequence[Sequence[torch.Tensor]], shards: int = 1) -> FlatLayout:
-        """Lay the tensors of each group out in order, each region padded to a multiple of `shards`."""
+    def of(
+        cls, groups: Sequence[Sequence[torch.Tensor]], shards: int | Sequence[int] = 1
+    ) -> FlatLayout:
+        """Lay the tensors of each region out in order, each padded to a multiple of its `shards`
+        (one count for all regions, or one per region)."""
+        counts = (shards,) * len(groups) if isinstance(shards, int) else tuple(shards)
         shapes, offsets, numels, regions, cursor = [], [], [], [], 0
-        for tensors in groups:
+        for tensors, shards in zip(groups, counts, strict=True):
             start = cursor
             for tensor in tensors:
                 shape = logical_shape(tensor)
@@ -39,7 +45,7 @@ class FlatLayout:
                 cursor += shape.numel()
             cursor = start + -(-(cursor - start) // shards) * shards
             regions.append((start, cursor))
-        return cls(tuple(shapes), tuple(offsets), tuple(numels), tuple(regions), shards, cursor)
+        return cls(tuple(shapes), tuple(offsets), tuple(numels), tuple(regions), counts, cursor)
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor's view into `buffer` (which must have `total` elements)."""
@@ -49,27 +55,29 @@ class FlatLayout:
         ]
 
     def shard(self, group: int, rank: int) -> tuple[int, int]:
-        """[start, end) of `rank`'s shard of `group` in the flat buffer."""
+        """[start, end) of `rank`'s shard of region `group` in the flat buffer (`rank` in the
+        group of ranks that share the region)."""
         start, end = self.groups[group]
-        size = (end - start) // self.shards
+        size = (end - start) // self.shards[group]
         return start + rank * size, start + (rank + 1) * size
 
     def shard_numel(self) -> int:
-        """Elements one rank owns over all groups (equal for every rank)."""
-        return sum(end - start for start, end in self.groups) // self.shards
+        """Elements one rank owns over all regions (equal for every rank)."""
+        return sum((e - s) // n for (s, e), n in zip(self.groups, self.shards))
 
-    def owners(self, start: int, end: int) -> list[tuple[int, int, int, int]]:
-        """Split [start, end) by owner: (rank, piece start, piece end, offset in the rank's shard)."""
+    def owners(self, start: int, end: int) -> list[tuple[int, int, int, int, int]]:
+        """Split [start, end) by owner: (region, rank, piece start, piece end, offset in the rank's
+        shard); a rank counts within the ranks that share the region."""
         pieces = []
         shard_offset = 0
         for g, (g_start, g_end) in enumerate(self.groups):
-            size = (g_end - g_start) // self.shards
+            size = (g_end - g_start) // self.shards[g]
             lo, hi = max(start, g_start), min(end, g_end)
             if lo < hi and size:
                 for rank in range((lo - g_start) // size, (hi - 1 - g_start) // size + 1):
                     s_start, s_end = self.shard(g, rank)
                     a, b = max(lo, s_start), min(hi, s_end)
-                    pieces.append((rank, a, b, shard_offset + a - s_start))
+                    pieces.append((g, rank, a, b, shard_offset + a - s_start))
             shard_offset += size
         return pieces
 

@@ -11,6 +11,12 @@ post-accumulate-grad hooks. What differs is what a rank keeps:
 - stage 2: as stage 1, and gradients too only for its shard: each bucket is reduced every micro-step
   and freed once the rank has added its own part to its shard accumulator.
 
+Expert weights of a mixture of experts under expert parallelism (`ExpertParameters`) differ between
+the ranks of the data-parallel group: each is laid out in regions of its own, reduced and sharded
+over the ranks holding the same experts only (the expert-data group), while its gradient is still
+divided by the whole data-parallel size, since the all-to-all already brought every rank's tokens
+to it.
+
 At the boundary, `step()` unscales, checks for overflow (the norm is summed across shards, so every
 rank agrees), clips by the global norm, runs the torch optimizer on the master tensors (one flat
 tensor per group for stages 1 and 2), copies masters back to the model's dtype and, for stages 1 and
@@ -93,13 +99,28 @@ class TiedParameters:
     summed: bool = True
 
 
+@dataclass(frozen=True)
+class ExpertParameters:
+    """One mixture-of-experts layer's local experts under expert parallelism: held alike by the
+    `world_size` ranks of `group` (the expert-data group; this rank is `rank` there) and by no
+    other rank of the data-parallel group. `names` are what checkpoints call them: the global
+    expert index, the same at every expert-parallel size."""
+
+    params: tuple[nn.Parameter, ...]
+    names: tuple[str, ...]
+    group: Any
+    rank: int
+    world_size: int
+
+
 class ZeroOptimizer:
     """Wraps a torch optimizer for ZeRO stage 0, 1 or 2 (see module docstring).
 
     For a pipeline stage: `segments` are the parameter sets that separate backward passes visit
     (a rank's model chunks), each laid out contiguously with buckets of its own; `ties` are
     weights shared with other stages; `norm_group` joins the ranks whose gradients together make
-    the model's (the stages), for the global norm.
+    the model's (the stages), for the global norm. `experts` are expert-parallel weights (see the
+    module docstring).
     """
 
     def __init__(
@@ -122,6 +143,7 @@ class ZeroOptimizer:
         segments: Sequence[Sequence[nn.Parameter]] = (),
         ties: Sequence[TiedParameters] = (),
         norm_group: Any = None,
+        experts: Sequence[ExpertParameters] = (),
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -140,6 +162,14 @@ class ZeroOptimizer:
 
         self.norm_group = norm_group
         groups = _managed_groups(module, optimizer)
+        if experts and stage == 3:
+            raise ValueError(
+                "expert parallelism (MoE ep_size > 1) works with ZeRO stages 0 to 2, not 3"
+            )
+        # Where each region lives: 0 is the data-parallel group, i + 1 the group of experts[i].
+        self._places = [(dp_group, dp_rank, dp_world_size)] + [
+            (e.group, e.rank, e.world_size) for e in experts
+        ]
         # A region is what the optimizer steps as one tensor: the part of a param group inside
         # one block. Blocks are stage 3's gather units, or a pipeline stage's tied weights and
         # chunks; otherwise there is one block and a region is a param group.
@@ -150,8 +180,12 @@ class ZeroOptimizer:
             units = plan_units(module, [p for g in groups for p in g], stage3 or Stage3Options())
             blocks, block_segment = [u.params for u in units], [0] * len(units)
             block_tie: list[int | None] = [None] * len(units)
+            block_place = [0] * len(units)
         else:
-            blocks, block_segment, block_tie = _blocks(groups, segments, ties)
+            order = {p: i for i, p in enumerate(module.parameters())}
+            blocks, block_segment, block_tie, block_place = _blocks(
+                groups, segments, ties, experts, order
+            )
         regions, self.region_group, block_regions = _regions(groups, blocks)
         self.offload = offload or OffloadOptions()
         if self.stage >= 1:
@@ -161,15 +195,29 @@ class ZeroOptimizer:
                 regions, self.region_group, block_regions, self.offload.sub_group_size
             )
         unit_regions = block_regions if units else []
+        self.region_place = [0] * len(regions)
+        for span, place in zip(block_regions, block_place):
+            for r in span:
+                self.region_place[r] = place
         self.params = [p for region in regions for p in region]
+        self._param_place = [
+            self.region_place[r] for r, region in enumerate(regions) for _ in region
+        ]
         names = {p: n for n, p in module.named_parameters()}
+        names.update((p, n) for e in experts for p, n in zip(e.params, e.names))
         self.param_names = [names[p] for p in self.params]
         model_dtype, device = self.params[0].dtype, self.params[0].device
         if any(p.dtype != model_dtype or p.device != device for p in self.params):
             raise ValueError("all trainable parameters must share one dtype and device")
-        self.layout = FlatLayout.of(regions, dp_world_size if self.stage >= 1 else 1)
+        self.layout = FlatLayout.of(
+            regions,
+            [self._places[p][2] for p in self.region_place] if self.stage >= 1 else 1,
+        )
         region_params = regions
-        self.shard_ranges = [self.layout.shard(r, dp_rank) for r in range(len(regions))]
+        self.shard_ranges = [
+            self.layout.shard(r, self._places[p][1] if self.stage >= 1 else 0)
+            for r, p in enumerate(self.region_place)
+        ]
         first_param = [0]
         for region in regions:
             first_param.append(first_param[-1] + len(region))
@@ -186,7 +234,11 @@ class ZeroOptimizer:
         ]
         uncounted = sorted(span for span, tie in self._ties if not tie.counted)
         total = self.layout.total if self.stage == 0 else self.layout.shard_numel()
-        self._counted_spans = _complement(uncounted, total)
+        self._norm_spans = self._weighted_spans(
+            _complement(uncounted, total), block_regions, block_place
+        )
+        # Expert weights make the norm a sum over the data-parallel group even unsharded.
+        self._norm_over_dp = self.stage >= 1 or bool(experts)
 
         # Model weights: one buffer, every parameter a view into it, identical on every rank.
         # At stage 3 only this rank's shard of that buffer is kept (built one unit at a time, so
@@ -278,19 +330,63 @@ class ZeroOptimizer:
         start = sum(sizes[: regions.start])
         return start, start + sum(sizes[regions.start : regions.stop])
 
+    def _weighted_spans(
+        self,
+        counted: list[tuple[int, int]],
+        block_regions: list[range],
+        block_place: list[int],
+    ) -> list[tuple[int, int, float]]:
+        """The counted spans of the owned gradients, each with the weight its squares carry in
+        the norm's sum over the data-parallel group: 1 for shards; unsharded (stage 0) with
+        expert weights, 1 / the number of ranks holding the same copy."""
+        unsharded = self.stage == 0 and len(self._places) > 1
+        weights = [1.0 / world if unsharded else 1.0 for _, _, world in self._places]
+        placed = [
+            (*self._owned_span(span), place)
+            for span, place in zip(block_regions, block_place)
+            if len(span)
+        ]
+        spans = []
+        for start, end in counted:
+            for a, b, place in placed:
+                lo, hi = max(a, start), min(b, end)
+                if lo < hi:
+                    spans.append((lo, hi, weights[place]))
+        return _merged(spans)
+
     def _whole(
         self, start: int, end: int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        """[start, end) of the flat layout filled with the parameters' values, rank 0's everywhere."""
+        """[start, end) of the flat layout filled with the parameters' values: each region as its
+        group's first rank has it (the data-parallel group's, or the expert-data group's)."""
         buffer = torch.zeros(end - start, dtype=dtype, device=device)
         init_sharded = False
         for p, offset, numel in zip(self.params, self.layout.offsets, self.layout.numels):
             if start <= offset < end:
                 init_sharded |= is_init_sharded(p)
                 buffer[offset - start : offset - start + numel].copy_(full_value(p).reshape(-1))
-        if self.dp_world_size > 1 and not init_sharded:  # zero.Init made them equal already
-            broadcast(buffer, src=_group_rank_to_global(self.dp_group, 0), group=self.dp_group)
+        if init_sharded:  # zero.Init made them equal already
+            return buffer
+        for lo, hi, place in self._place_runs(start, end):
+            group, _, world = self._places[place]
+            if world > 1:
+                piece = buffer[lo - start : hi - start]
+                broadcast(piece, src=_group_rank_to_global(group, 0), group=group)
         return buffer
+
+    def _place_runs(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """[start, end) of the layout cut into runs of regions held by the same group: (run
+        start, run end, place)."""
+        runs: list[tuple[int, int, int]] = []
+        for (r_start, r_end), place in zip(self.layout.groups, self.region_place):
+            lo, hi = max(r_start, start), min(r_end, end)
+            if lo >= hi:
+                continue
+            if runs and runs[-1][2] == place and runs[-1][1] == lo:
+                runs[-1] = (runs[-1][0], hi, place)
+            else:
+                runs.append((lo, hi, place))
+        return runs
 
     def _shard_store(
         self, sizes: list[int], dtype: torch.dtype, device: torch.device
@@ -390,6 +486,9 @@ class ZeroOptimizer:
             # Stage 2 must not hold every bucket at once: that would be the full gradient again.
             max_in_flight=2 if self.stage >= 2 else None,
             segment_starts=self._segment_starts,
+            region_groups=tuple(self._places[p][0] for p in self.region_place)
+            if len(self._places) > 1
+            else (),
         )
 
     # -- backward ---------------------------------------------------------------------------------
@@ -438,8 +537,8 @@ class ZeroOptimizer:
             self._param_swapper.close()
 
     def _add_own_part(self, start: int, end: int, reduced: torch.Tensor) -> None:
-        for rank, a, b, offset in self.layout.owners(start, end):
-            if rank == self.dp_rank:
+        for region, rank, a, b, offset in self.layout.owners(start, end):
+            if rank == self._places[self.region_place[region]][1]:
                 self.grad_shard[offset : offset + b - a].add_(reduced[a - start : b - start])
 
     def start_micro_step(self, reduce_gradients: bool, segment: int | None = None) -> None:
@@ -547,15 +646,18 @@ class ZeroOptimizer:
     def _global_norm(self, grads: torch.Tensor) -> torch.Tensor:
         """The norm of the whole model's gradient: shards summed over the data-parallel group,
         stages over `norm_group`, each tied weight counted once."""
-        if len(self._counted_spans) == 1:
-            start, end = self._counted_spans[0]
+        if len(self._norm_spans) == 1 and self._norm_spans[0][2] == 1.0:
+            start, end, _ = self._norm_spans[0]
             squares = torch.linalg.vector_norm(grads[start:end]).square().reshape(1)
         else:
             squares = sum(
-                (torch.linalg.vector_norm(grads[a:b]).square() for a, b in self._counted_spans),
+                (
+                    torch.linalg.vector_norm(grads[a:b]).square() * weight
+                    for a, b, weight in self._norm_spans
+                ),
                 torch.zeros((), device=grads.device),
             ).reshape(1)
-        if self.stage >= 1:
+        if self._norm_over_dp:
             all_reduce(squares, group=self.dp_group)
         if self.norm_group is not None:
             all_reduce(squares, group=self.norm_group)
@@ -578,23 +680,24 @@ class ZeroOptimizer:
         for g, (start, end) in enumerate(self.layout.groups):
             self._gather_group(self.model_flat[start:end], g)
 
-    def _gather_group(self, region: torch.Tensor, group: int) -> None:
-        size = region.numel() // self.dp_world_size
+    def _gather_group(self, region: torch.Tensor, index: int) -> None:
+        group, rank, world = self._places[self.region_place[index]]
+        size = region.numel() // world
         shards = list(region.split(size)) if size else []
-        if not shards:
+        if not shards or world == 1:
             return
         if not self.gather.all_gather:
-            for rank, shard in enumerate(shards):
-                broadcast(shard, _group_rank_to_global(self.dp_group, rank), group=self.dp_group)
+            for owner, shard in enumerate(shards):
+                broadcast(shard, _group_rank_to_global(group, owner), group=group)
             return
         chunk = min(size, self.gather.bucket_elements)
         for lo in range(0, size, chunk):
             hi = min(lo + chunk, size)
-            mine = shards[self.dp_rank][lo:hi].clone()
+            mine = shards[rank][lo:hi].clone()
             if hi - lo == size:
-                all_gather_into_tensor(region, mine, group=self.dp_group)
+                all_gather_into_tensor(region, mine, group=group)
             else:
-                all_gather([s[lo:hi] for s in shards], mine, group=self.dp_group)
+                all_gather([s[lo:hi] for s in shards], mine, group=group)
 
     def _nonfinite_message(self, grads: torch.Tensor) -> str:
         flat_index = self._first_nonfinite_flat_index(grads)
@@ -655,6 +758,15 @@ class ZeroOptimizer:
                     own.append((name, lo - offset, lo - s, hi - lo))
             pieces.append(own)
         return pieces
+
+    def writes_master(self, k: int, first_replica: bool) -> bool:
+        """Whether this rank writes master `k` to a checkpoint: sharded, every rank its own;
+        unsharded, one copy each (`first_replica` says whether this rank is the first holder of
+        the data-parallel group's weights; expert weights' first holder is their group's rank 0)."""
+        if self.stage >= 1:
+            return True
+        place = self._param_place[k]
+        return first_replica if place == 0 else self._places[place][1] == 0
 
     def master_numel(self, k: int) -> int:
         """Elements of master `k` (also while it is swapped out)."""
@@ -804,9 +916,14 @@ def _blocks(
     groups: list[list[nn.Parameter]],
     segments: Sequence[Sequence[nn.Parameter]],
     ties: Sequence[TiedParameters],
-) -> tuple[list[list[nn.Parameter]], list[int], list[int | None]]:
-    """(blocks, each block's segment, each block's tie): for every segment its tied weights, one
-    block per tie, then the rest of it. Without segments, all parameters are one segment."""
+    experts: Sequence[ExpertParameters] = (),
+    model_order: dict[nn.Parameter, int] | None = None,
+) -> tuple[list[list[nn.Parameter]], list[int], list[int | None], list[int]]:
+    """(blocks, each block's segment, each block's tie, each block's place): for every segment
+    its tied weights, one block per tie, then the rest of it, cut where it passes between the
+    data-parallel group's weights and an expert layer's (place 0, or i + 1 for `experts[i]`),
+    so that blocks keep roughly backward order. Without segments, all parameters are one
+    segment."""
     managed = [p for group in groups for p in group]
     managed_set = set(managed)
     segments = [[p for p in s if p in managed_set] for s in segments] or [managed]
@@ -814,7 +931,12 @@ def _blocks(
     if len(seen) != len(set(seen)) or set(seen) != managed_set:
         raise ValueError("segments must hold every parameter the optimizer steps exactly once")
     tie_of = {p: t for t, tie in enumerate(ties) for p in tie.params}
-    blocks, block_segment, block_tie = [], [], []
+    place_of = {p: i + 1 for i, e in enumerate(experts) for p in e.params}
+    if set(place_of) - managed_set:
+        raise ValueError("expert parameters must be trainable parameters the optimizer steps")
+    if set(place_of) & set(tie_of):
+        raise ValueError("expert parameters cannot also be tied or replicated weights")
+    blocks, block_segment, block_tie, block_place = [], [], [], []
     for s, segment in enumerate(segments):
         members = set(segment)
         for t, tie in enumerate(ties):
@@ -823,10 +945,32 @@ def _blocks(
                 blocks.append(tied)
                 block_segment.append(s)
                 block_tie.append(t)
-        blocks.append([p for p in segment if p not in tie_of])
-        block_segment.append(s)
-        block_tie.append(None)
-    return blocks, block_segment, block_tie
+                block_place.append(0)
+        rest = [p for p in segment if p not in tie_of]
+        if experts:
+            rest.sort(key=lambda p: -model_order[p])
+        runs: list[list[nn.Parameter]] = []
+        for p in rest:
+            if not runs or place_of.get(p, 0) != place_of.get(runs[-1][0], 0):
+                runs.append([])
+            runs[-1].append(p)
+        for run in runs or [[]]:
+            blocks.append(run)
+            block_segment.append(s)
+            block_tie.append(None)
+            block_place.append(place_of.get(run[0], 0) if run else 0)
+    return blocks, block_segment, block_tie, block_place
+
+
+def _merged(spans: list[tuple[int, int, float]]) -> list[tuple[int, int, float]]:
+    """Sorted spans with adjacent ones of equal weight joined."""
+    out: list[tuple[int, int, float]] = []
+    for a, b, w in sorted(spans):
+        if out and out[-1][1] == a and out[-1][2] == w:
+            out[-1] = (out[-1][0], b, w)
+        else:
+            out.append((a, b, w))
+    return out
 
 
 def _complement(spans: list[tuple[int, int]], total: int) -> list[tuple[int, int]]:

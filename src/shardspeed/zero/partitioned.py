@@ -349,7 +349,7 @@ class ShardedParameters:
         works = []
         for r in self.unit_regions[u]:
             r_start, r_end = self.layout.groups[r]
-            size = (r_end - r_start) // self.layout.shards
+            size = (r_end - r_start) // self.layout.shards[r]
             if size:
                 mine = self.store.piece(r).to(self.device, non_blocking=True)
                 out = buffer[r_start - start : r_end - start]
@@ -465,7 +465,7 @@ class ShardedParameters:
         rank = _group_rank(self.group)
         for r in self.unit_regions[u]:
             r_start, r_end = self.layout.groups[r]
-            size = (r_end - r_start) // self.layout.shards
+            size = (r_end - r_start) // self.layout.shards[r]
             self.store.write(r, buffer[r_start - start + rank * size :][:size])
         if self.after_write is not None:
             self.after_write()

@@ -13,7 +13,9 @@ align with shards). A bucket's storage is either a view into a full gradient buf
 own part (stage 2, which never holds the full gradient).
 
 Segments (a pipeline rank's model chunks, which separate backward passes visit) never share a
-bucket; a micro-step that names a segment launches only that segment's buckets.
+bucket; a micro-step that names a segment launches only that segment's buckets. Neither do regions
+reduced over different groups (`region_groups`: a mixture of experts' expert weights, averaged only
+among the ranks that hold the same experts).
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ class _Bucket:
     buffer: torch.Tensor | None = None
     staging: torch.Tensor | None = None  # the bucket in the communication dtype, if it differs
     works: list = field(default_factory=list)
+    group: int = 0  # index into the reducer's groups
 
 
 @dataclass
 class GradientReducer:
-    """Averages gradients laid out by `layout` over `group`, bucket by bucket.
+    """Averages gradients laid out by `layout` over `group` (or, per region, over
+    `region_groups`), bucket by bucket.
 
     `pre_scale` multiplies a bucket before the sum and `post_scale` after it, which expresses
     DeepSpeed's prescale_gradients / gradient_predivide_factor choices.
@@ -63,6 +67,7 @@ class GradientReducer:
     overlap: bool = True
     max_in_flight: int | None = None
     segment_starts: tuple[int, ...] = (0,)  # the first parameter index of each segment
+    region_groups: tuple[Any, ...] = ()  # each layout region's group; empty: all `group`
     active: bool = False
     _buckets: list[_Bucket] = field(default_factory=list)
     _bucket_of: list[int] = field(default_factory=list)
@@ -73,20 +78,33 @@ class GradientReducer:
     _params: range = range(0)
     _in_flight: deque = field(default_factory=deque)
     _seen: bytearray = field(default_factory=bytearray)
-    _dst: list[int] = field(default_factory=list)
+    _groups: list[Any] = field(default_factory=list)
+    _dst: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         starts = set(self.segment_starts)
+        region_groups = self.region_groups or (self.group,) * len(self.layout.groups)
+        self._groups = []
+        for g in region_groups:
+            if not any(g is known for known in self._groups):
+                self._groups.append(g)
+        region_comm = [
+            next(i for i, known in enumerate(self._groups) if known is g) for g in region_groups
+        ]
         first_bucket = []
+        region = 0
         for index, (offset, numel) in enumerate(zip(self.layout.offsets, self.layout.numels)):
             while len(first_bucket) < len(self.segment_starts) and (
                 self.segment_starts[len(first_bucket)] <= index
             ):
                 first_bucket.append(len(self._buckets))
+            while offset >= self.layout.groups[region][1] and region + 1 < len(region_comm):
+                region += 1
             last = self._buckets[-1] if self._buckets else None
             full = last is not None and last.end - last.start >= self.bucket_elements
-            if last is None or full or index in starts:
-                last = _Bucket(offset, offset, 0)
+            other_group = last is not None and last.group != region_comm[region]
+            if last is None or full or other_group or index in starts:
+                last = _Bucket(offset, offset, 0, group=region_comm[region])
                 self._buckets.append(last)
             last.end, last.params = offset + numel, last.params + 1
             self._bucket_of.append(len(self._buckets) - 1)
@@ -103,9 +121,12 @@ class GradientReducer:
         self._stop = len(self._buckets)
         self._params = range(len(self.layout.offsets))
         self._seen = bytearray(len(self.layout.offsets))
-        size = dist.get_world_size(self.group)
         self._dst = [
-            r if self.group is None else dist.get_global_rank(self.group, r) for r in range(size)
+            [
+                r if group is None else dist.get_global_rank(group, r)
+                for r in range(dist.get_world_size(group))
+            ]
+            for group in self._groups
         ]
 
     def gradient_slot(self, index: int) -> torch.Tensor:
@@ -169,17 +190,18 @@ class GradientReducer:
             chunk = bucket.staging
         if self.pre_scale != 1.0:
             chunk.mul_(self.pre_scale)
+        group = self._groups[bucket.group]
         if self.collective == "all_reduce":
-            bucket.works = [all_reduce(chunk, group=self.group, async_op=True)]
+            bucket.works = [all_reduce(chunk, group=group, async_op=True)]
         else:
             bucket.works = [
                 reduce(
                     chunk[a - bucket.start : b - bucket.start],
-                    self._dst[rank],
-                    group=self.group,
+                    self._dst[bucket.group][rank],
+                    group=group,
                     async_op=True,
                 )
-                for rank, a, b, _ in self.layout.owners(bucket.start, bucket.end)
+                for _, rank, a, b, _ in self.layout.owners(bucket.start, bucket.end)
             ]
         self._in_flight.append(bucket)
         # Without overlap a bucket is reduced before backward goes on, as DeepSpeed does.

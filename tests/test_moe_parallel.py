@@ -1,0 +1,83 @@
+"""Expert parallelism combined with data parallelism (hybrid DP+EP) through `initialize`: equal to
+the single-process fp32 reference after 5 steps at every expert-parallel size and ZeRO stage 0 to 2;
+expert gradients reach the right group; checkpoints reshard between expert-parallel sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_model as mm
+from reference_training import assert_named_close
+
+# fp32 against fp32; only summation orders differ (experts see other ranks' tokens in one batch,
+# gradients summed over groups): the issue asks for 1e-5 relative.
+TOL = 1e-5
+
+
+def _check(whole: dict, expected: dict) -> None:
+    assert_named_close(whole, expected, TOL)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_ep2_by_dp2_equals_the_reference(pool4, zero):
+    results = pool4.run(mm.train, 2, zero)
+    _check(mm.join(results), mm.reference(mm.MICRO * 4))
+
+
+@pytest.mark.parametrize("routing", sorted(mm.ROUTINGS))
+def test_ep2_by_dp1_and_ep1_by_dp2_equal_the_reference(pool2, routing):
+    expected = mm.reference(mm.MICRO * 2, routing)
+    for ep in (2, 1):
+        _check(mm.join(pool2.run(mm.train, ep, 1, routing=routing)), expected)
+
+
+def test_expert_weights_differ_across_expert_ranks_and_agree_across_replicas(pool4):
+    results = pool4.run(mm.train, 2, 2)
+    # Ranks 0 and 1 form an expert group (experts 0-1 and 2-3 of each layer); ranks 0 and 2 hold
+    # the same experts (an expert-data group), as do 1 and 3.
+    local = [r["experts"] for r in results]
+    assert sorted(local[0]) == sorted(local[1])
+    for name in local[0]:
+        assert torch.equal(local[0][name], local[2][name]), name
+        assert torch.equal(local[1][name], local[3][name]), name
+        assert not torch.allclose(local[0][name], local[1][name]), name
+    expert_names = {n for r in results for n in r["params"] if "deepspeed_experts" in n}
+    stems = {n.split("deepspeed_experts.")[1].split(".")[0] for n in expert_names}
+    assert stems == {"0", "1", "2", "3"}
+    # Every rank reports the same global load, and the norm every rank computed agrees.
+    assert len({r["norm"] for r in results}) == 1
+    for name, load in results[0]["load"].items():
+        # top-1: every token of the step's last micro-batches asks for one expert.
+        assert int(load["exp_counts"].sum()) == 4 * mm.MICRO * mm.SEQ, name
+        assert int(load["tokens_per_expert"].sum()) + int(load["dropped"]) == 4 * mm.MICRO * mm.SEQ
+        assert load["imbalance"] >= 1.0
+        assert torch.equal(results[3]["load"][name]["exp_counts"], load["exp_counts"])
+
+
+@pytest.mark.parametrize(
+    ("save", "load"),
+    [((2, 1), (1, 2)), ((2, 0), (2, 2)), ((1, 0), (2, 1))],
+    ids=["ep2-zero1-to-ep1-zero2", "ep2-zero0-to-ep2-zero2", "ep1-zero0-to-ep2-zero1"],
+)
+def test_checkpoint_reshards_across_expert_parallel_sizes(pool4, pool2, tmp_path, save, load):
+    """Saved after step 3 by one layout (ep, ZeRO stage), resumed by another; the final weights
+    equal the reference. ep 2 saves on 4 ranks and ep 1 on 2; the other side loads on 2 or 4
+    ranks, with the micro-batches per rank adjusted so that the global batches stay the same."""
+    path = str(tmp_path / "ckpt")
+    global_size = mm.MICRO * 4
+    (save_ep, save_zero), (load_ep, load_zero) = save, load
+    saver = pool4 if save_ep == 2 else pool2
+    loader = pool2 if saver is pool4 else pool4
+    saver.run(mm.train, save_ep, save_zero, global_size, path)
+    resumed = loader.run(mm.train, load_ep, load_zero, global_size, None, path)
+    _check(mm.join(resumed), mm.reference(global_size))
+
+
+def test_save_16bit_model_gathers_every_expert(pool4, tmp_path):
+    from safetensors.torch import load_file
+
+    pool4.run(mm.train_and_export, 2, str(tmp_path))
+    exported = load_file(str(tmp_path / "model.safetensors"))
+    expected = mm.reference(mm.MICRO * 4)
+    _check({n: exported[n] for n in expected}, expected)
