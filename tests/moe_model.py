@@ -19,6 +19,7 @@ from torch import nn
 import shardspeed
 from pipe_model import merged_params
 from shardspeed.moe.layer import MoE
+from shardspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 VOCAB, DIM, SEQ, HEADS, BLOCKS, EXPERTS = 32, 16, 8, 4, 2, 4
 LR, STEPS, MICRO, AUX = 0.01, 5, 2, 0.01
@@ -119,26 +120,37 @@ def train(
     load: str | None = None,
     routing: str = "top1-drop",
     keep_engine: bool = False,
+    split_groups: bool = False,
+    zero_extra: dict | None = None,
     **extra: Any,
 ) -> Any:
     """The MoE GPT through `initialize`, experts spread over `ep` ranks, data parallel over
     all; global batches of `global_size` sequences (default one micro-batch per rank). `save`
     checkpoints after step 3; `load` resumes from one. Returns this rank's parameters by their
     checkpoint (global) names, its local expert weights by module name, and the expert load
-    (or the engine itself, with `keep_engine`)."""
+    (or the engine itself, with `keep_engine`). `split_groups` gives the optimizer DeepSpeed's
+    split param groups; `zero_extra` adds `zero_optimization` keys."""
     dist = torch.distributed
     dp = dist.get_world_size()
     gas = (global_size or MICRO * dp) // (MICRO * dp)
     rank = dist.get_rank()
-    model = MoEGPT(ep, rank % ep, routing)
+    # Which experts this rank holds: DeepSpeed's layouts (see comm/topology.py).
+    ep_rank = rank // (dp // ep) if extra.get("use_data_before_expert_parallelism") else rank % ep
+    model = MoEGPT(ep, ep_rank, routing)
+    params = model.parameters()
+    if split_groups:  # DeepSpeed's recipe: expert weights in param groups of their own
+        params = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "shared"}
+        )
     engine, *_ = shardspeed.initialize(
         model=model,
+        model_parameters=params,
         config={
             "train_batch_size": MICRO * dp * gas,
             "train_micro_batch_size_per_gpu": MICRO,
             "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": zero},
+            "zero_optimization": {"stage": zero, **(zero_extra or {})},
             **extra,
         },
     )

@@ -137,3 +137,41 @@ def test_trains_through_the_engine_like_one_process(pool2):
         opt.zero_grad()
     for got, want in zip(pool2.run(_train, 3)[0], model.parameters()):
         assert torch.allclose(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_split_params_into_moe_groups_as_deepspeed():
+    from shardspeed.moe.utils import (
+        configure_moe_param_groups,
+        has_moe_layers,
+        is_moe_param,
+        split_params_into_different_moe_groups_for_optimizer,
+        split_params_into_shared_and_expert_params,
+    )
+
+    net = nn.Sequential(nn.Linear(DIM, DIM), MoE(DIM, _expert(), num_experts=EXPERTS, ep_size=2))
+    assert has_moe_layers(net) == (True, EXPERTS)
+    params = list(net.parameters())
+    shared, expert = split_params_into_shared_and_expert_params(params)
+    assert all(is_moe_param(p) for p in expert) and not any(is_moe_param(p) for p in shared)
+    # 2 shared linear tensors + the gate's weight; 2 local experts x (2 weights + 2 biases).
+    assert (len(shared), len(expert)) == (3, 8)
+
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": params, "name": "all", "lr": 0.5}
+    )
+    assert [(g["name"], g.get("moe", False), len(g["params"])) for g in groups] == [
+        ("all", False, 3),
+        ("ep_size_2", True, 8),
+    ]
+    assert groups[1]["lr"] == 0.5  # the expert group keeps its source group's settings
+    # max_group_size cuts an expert group into runs of whole parameters.
+    biggest = max(p.numel() for p in expert)
+    pieces = split_params_into_different_moe_groups_for_optimizer(
+        [{"params": params, "name": "all"}], max_group_size=biggest
+    )
+    assert len(pieces) > 2 and all(
+        sum(p.numel() for p in g["params"]) <= biggest for g in pieces[1:]
+    )
+    assert [g["name"] for g in configure_moe_param_groups(params)] == ["dense-params", "ep_size_2"]
+    with pytest.raises(ValueError, match="'name'"):
+        split_params_into_different_moe_groups_for_optimizer([{"params": params}])

@@ -25,6 +25,27 @@ def test_ep2_by_dp2_equals_the_reference(pool4, zero):
     _check(mm.join(results), mm.reference(mm.MICRO * 4))
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"split_groups": True}, {"zero_extra": {"offload_optimizer": {"device": "cpu"}}}],
+    ids=["split-param-groups", "cpu-offload"],
+)
+def test_ep2_by_dp2_with_split_groups_or_offload(pool4, options):
+    results = pool4.run(mm.train, 2, 2, **options)
+    _check(mm.join(results), mm.reference(mm.MICRO * 4))
+
+
+def test_use_data_before_expert_parallelism_swaps_the_groups(pool4):
+    results = pool4.run(mm.train, 2, 1, use_data_before_expert_parallelism=True)
+    _check(mm.join(results), mm.reference(mm.MICRO * 4))
+    # Now ranks 0 and 1 hold the same experts (an expert-data group), 0 and 2 different ones.
+    local = [r["experts"] for r in results]
+    for name in local[0]:
+        assert torch.equal(local[0][name], local[1][name]), name
+        assert torch.equal(local[2][name], local[3][name]), name
+        assert not torch.allclose(local[0][name], local[2][name]), name
+
+
 @pytest.mark.parametrize("routing", sorted(mm.ROUTINGS))
 def test_ep2_by_dp1_and_ep1_by_dp2_equal_the_reference(pool2, routing):
     expected = mm.reference(mm.MICRO * 2, routing)
@@ -81,3 +102,20 @@ def test_save_16bit_model_gathers_every_expert(pool4, tmp_path):
     exported = load_file(str(tmp_path / "model.safetensors"))
     expected = mm.reference(mm.MICRO * 4)
     _check({n: exported[n] for n in expected}, expected)
+
+
+def _refusal(ep: int, **extra) -> str:
+    from shardspeed.config import ConfigError
+
+    try:
+        mm.train(ep, **extra)
+    except ConfigError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_impossible_expert_parallel_layouts_are_refused(pool2):
+    assert "does not divide the data-parallel size 2" in pool2.run(_refusal, 4)[0]
+    message = pool2.run(_refusal, 2, tensor_parallel={"autotp_size": 2})[0]
+    assert "tensor parallelism" in message and "ep_size [2]" in message
+    assert "ZeRO stage 3" in pool2.run(_refusal, 2, zero=3)[0]

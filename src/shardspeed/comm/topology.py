@@ -10,6 +10,8 @@ Expert parallelism splits each data-parallel group further (`Topology.expert_gro
 `ep_size` consecutive data-parallel ranks share out a mixture-of-experts layer's experts (the expert
 group, which exchanges tokens all-to-all), and the ranks at the same place in every run hold the same
 experts (the expert-data group, which averages their gradients), as DeepSpeed lays them out.
+DeepSpeed's `use_data_before_expert_parallelism` swaps the two: expert-data groups are the runs of
+consecutive ranks and expert groups stride across them.
 """
 
 from __future__ import annotations
@@ -145,7 +147,9 @@ class Topology:
     tp_group: Any = None
     mp_group: Any = None
     mesh: ProcessTopology | None = field(default=None, compare=False)
-    _experts: dict[int, ExpertGroups] = field(default_factory=dict, compare=False, repr=False)
+    _experts: dict[tuple[int, bool], ExpertGroups] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def build(cls, mpu: Any = None, tensor_parallel: int = 1) -> Topology:
@@ -208,11 +212,13 @@ class Topology:
         mesh._shardspeed_topology = topology
         return topology
 
-    def expert_groups(self, ep_size: int) -> ExpertGroups:
+    def expert_groups(self, ep_size: int, data_before_expert: bool = False) -> ExpertGroups:
         """The expert and expert-data groups for `ep_size` (collective the first time for each
-        size: every rank makes every group, in order)."""
-        if ep_size in self._experts:
-            return self._experts[ep_size]
+        size: every rank makes every group, in order). `data_before_expert`: DeepSpeed's
+        `use_data_before_expert_parallelism` layout (see the module docstring)."""
+        key = (ep_size, data_before_expert)
+        if key in self._experts:
+            return self._experts[key]
         if ep_size < 1 or self.dp_world_size % ep_size:
             raise ValueError(
                 f"ep_size {ep_size} must divide the data-parallel size {self.dp_world_size}"
@@ -228,18 +234,17 @@ class Topology:
                 "expert parallelism needs the data-parallel groups laid out by shardspeed "
                 "(a config's tensor_parallel, or a pipeline's topology), not a user's mpu"
             )
-        expert_lists = [d[i : i + ep_size] for d in data_lists for i in range(0, len(d), ep_size)]
-        replica_lists = [d[j::ep_size] for d in data_lists for j in range(ep_size)]
+        replicas = self.dp_world_size // ep_size
+        if data_before_expert:
+            expert_lists = _strides(data_lists, replicas)
+            replica_lists = _runs(data_lists, replicas)
+            ep_rank, replica_rank = divmod(self.dp_rank, replicas)
+        else:
+            expert_lists, replica_lists = _runs(data_lists, ep_size), _strides(data_lists, ep_size)
+            replica_rank, ep_rank = divmod(self.dp_rank, ep_size)
         ep_group, expert_data_group = subgroup(expert_lists), subgroup(replica_lists)
-        groups = ExpertGroups(
-            ep_size,
-            self.dp_rank % ep_size,
-            ep_group,
-            self.dp_rank // ep_size,
-            self.dp_world_size // ep_size,
-            expert_data_group,
-        )
-        self._experts[ep_size] = groups
+        groups = ExpertGroups(ep_size, ep_rank, ep_group, replica_rank, replicas, expert_data_group)
+        self._experts[key] = groups
         return groups
 
     def stage_rank(self, stage: int) -> int:
@@ -306,6 +311,16 @@ def _from_mpu(mpu: Any, rank: int, world: int) -> Topology:
         tp_group=mpu.get_model_parallel_group() if tp_size > 1 else None,
         mp_group=mpu.get_model_parallel_group() if tp_size > 1 else None,
     )
+
+
+def _runs(lists: list[list[int]], size: int) -> list[list[int]]:
+    """Each list cut into runs of `size` consecutive entries."""
+    return [ranks[i : i + size] for ranks in lists for i in range(0, len(ranks), size)]
+
+
+def _strides(lists: list[list[int]], size: int) -> list[list[int]]:
+    """From each list, the entries at each place in its runs of `size`."""
+    return [ranks[j::size] for ranks in lists for j in range(size)]
 
 
 def subgroup(rank_lists: Sequence[Sequence[int]]) -> Any:

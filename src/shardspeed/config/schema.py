@@ -19,7 +19,6 @@ Section = dict[str, Any] | None
 ISSUE_CHECKPOINT = "issue 5 (checkpoints)"
 ISSUE_OFFLOAD = "issue 6 (CPU and NVMe offload)"
 ISSUE_TP = "issue 8 (tensor parallelism, activation checkpointing)"
-ISSUE_MOE = "issue 9 (mixture of experts)"
 ISSUE_INFERENCE = "issue 10 (inference and hybrid engine)"
 ISSUE_TOOLS = "issue 11 (profiling, monitoring, autotuning, compression)"
 NOT_PLANNED = "no planned issue yet"
@@ -508,7 +507,6 @@ class ShardSpeedConfig(StrictModel):
         "sequence_parallel_size": NOT_PLANNED,
         "data_parallel_size": ISSUE_TP,
         "seq_parallel_communication_data_type": NOT_PLANNED,
-        "use_data_before_expert_parallelism": ISSUE_MOE,
         "vocabulary_size": NOT_PLANNED,
         "flops_profiler": ISSUE_TOOLS,
         "autotuning": ISSUE_TOOLS,
@@ -522,7 +520,8 @@ class ShardSpeedConfig(StrictModel):
         "comms_logger": ISSUE_TOOLS,
         "hybrid_engine": ISSUE_INFERENCE,
         "compile": NOT_PLANNED,
-        "expert_parallel": ISSUE_MOE,
+        "expert_parallel": NOT_PLANNED + " (DeepSpeed's AutoEP, which converts Hugging Face MoE "
+        "blocks; build the model with shardspeed.moe.layer.MoE instead)",
         "timers": ISSUE_TOOLS,
         "weight_quantization": NOT_PLANNED,
         "datastates": NOT_PLANNED,

@@ -12,7 +12,7 @@ from .. import comm
 from ..comm import init_distributed
 from ..config import ConfigError, load_config, non_default_settings
 from ..pipe import PipelineEngine, PipelineModule
-from .engine import ShardSpeedEngine
+from .engine import ShardSpeedEngine, refuse_unsupported_expert_parallelism
 
 
 def initialize(
@@ -57,6 +57,7 @@ def initialize(
         return topology.dp_world_size
 
     run_config = load_config(source, data_parallel_size)
+    refuse_unsupported_expert_parallelism(model, topology, run_config)
     if topology.tp_world_size > 1 and not pipelined and mpu is None:
         from ..tensor_parallel.from_config import apply_autotp
 

@@ -112,27 +112,14 @@ class ShardSpeedEngine(nn.Module):
         """The model's MoE layers by name; those with ep_size > 1 get their expert groups."""
         layers = {n: m for n, m in self.module.named_modules() if isinstance(m, MoE)}
         parallel = sorted({m.ep_size for m in layers.values() if m.ep_size > 1})
-        if not parallel:
-            return layers
         topo = self.topology
-        refused = {
-            "tensor parallelism": topo.tp_world_size > 1,
-            "pipeline parallelism": topo.num_stages > 1,
-            "ZeRO stage 3": self.config.zero_optimization.stage == 3,
-        }
-        if any(refused.values()):
-            with_ = ", ".join(k for k, v in refused.items() if v)
-            raise ConfigError(
-                f"MoE layers with ep_size {parallel} (expert parallelism) do not combine with "
-                f"{with_} yet: use data parallelism with ZeRO stage 0, 1 or 2, or ep_size 1"
-            )
         for size in parallel:
             if topo.dp_world_size % size:
                 raise ConfigError(
                     f"an MoE layer has ep_size {size}, which does not divide the data-parallel "
                     f"size {topo.dp_world_size}"
                 )
-            groups = topo.expert_groups(size)
+            groups = topo.expert_groups(size, self.config.use_data_before_expert_parallelism)
             for layer in layers.values():
                 if layer.ep_size == size:
                     layer.set_expert_groups(groups)
@@ -723,6 +710,25 @@ class ShardSpeedEngine(nn.Module):
 
     def was_step_applied(self) -> bool:
         return self._step_applied
+
+
+def refuse_unsupported_expert_parallelism(
+    model: nn.Module, topology: Topology, config: ShardSpeedConfig
+) -> None:
+    """Expert parallelism combines with data parallelism and ZeRO 0 to 2 only, so far: say so
+    before anything (tensor-parallel splitting included) touches the model."""
+    sizes = sorted({m.ep_size for m in model.modules() if isinstance(m, MoE) and m.ep_size > 1})
+    refused = {
+        "tensor parallelism": topology.tp_world_size > 1,
+        "pipeline parallelism": topology.num_stages > 1,
+        "ZeRO stage 3": config.zero_optimization.stage == 3,
+    }
+    if sizes and any(refused.values()):
+        with_ = ", ".join(k for k, v in refused.items() if v)
+        raise ConfigError(
+            f"MoE layers with ep_size {sizes} (expert parallelism) do not combine with {with_} "
+            "yet: use data parallelism with ZeRO stage 0, 1 or 2, or ep_size 1"
+        )
 
 
 def offload_options(config: ShardSpeedConfig) -> OffloadOptions:
