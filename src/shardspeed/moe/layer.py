@@ -41,7 +41,9 @@ class Experts(nn.Module):
     def forward(self, slots: torch.Tensor) -> torch.Tensor:
         """[sources, local experts, capacity, model] -> the same shape: local expert i runs on
         `slots[:, i]`, the slots every source rank filled for it."""
-        return torch.stack([e(slots[:, i]) for i, e in enumerate(self.deepspeed_experts)], dim=1)
+        outputs = [e(slots[:, i]) for i, e in enumerate(self.deepspeed_experts)]
+        # An expert may return a tuple (a Hugging Face MLP block); its first item is the output.
+        return torch.stack([o[0] if isinstance(o, tuple) else o for o in outputs], dim=1)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -578,8 +578,14 @@ class ZeroOptimizer:
         if self.stage == 0:
             owned = self.grad_flat
         elif self.stage == 1:
-            pieces = [self.grad_flat[s:e] for s, e in self.shard_ranges]
-            owned = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            ranges = self.shard_ranges
+            adjacent = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            # One rank's shards are the whole buffer: a view, not a copy.
+            owned = (
+                self.grad_flat[ranges[0][0] : ranges[-1][1]]
+                if adjacent
+                else torch.cat([self.grad_flat[s:e] for s, e in ranges])
+            )
         else:
             owned = self.grad_shard
         return owned if owned.dtype == torch.float32 else owned.float()
