@@ -150,6 +150,7 @@ class Topology:
     _experts: dict[tuple[int, bool], ExpertGroups] = field(
         default_factory=dict, compare=False, repr=False
     )
+    _runs: dict[int, tuple[Any, int]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, mpu: Any = None, tensor_parallel: int = 1) -> Topology:
@@ -212,6 +213,28 @@ class Topology:
         mesh._shardspeed_topology = topology
         return topology
 
+    def _data_lists(self) -> list[list[int]]:
+        """The global ranks of every data-parallel group, in data-parallel rank order."""
+        if self.mesh is not None:
+            return self.mesh.get_axis_comm_lists("data") or [[r] for r in range(self.world_size)]
+        if self.dp_world_size == self.world_size:
+            return [list(range(self.world_size))]
+        raise ValueError(
+            "subgroups of the data-parallel group (expert parallelism, the hybrid engine's "
+            "inference tensor parallelism) need the groups laid out by shardspeed (a config's "
+            "tensor_parallel, or a pipeline's topology), not a user's mpu"
+        )
+
+    def data_parallel_runs(self, size: int) -> tuple[Any, int]:
+        """(group, this rank's index in it) of `size` consecutive data-parallel ranks: the hybrid
+        engine's inference tensor-parallel group (collective the first time for each size)."""
+        if size not in self._runs:
+            if size < 1 or self.dp_world_size % size:
+                raise ValueError(f"{size} must divide the data-parallel size {self.dp_world_size}")
+            group = subgroup(_runs(self._data_lists(), size))
+            self._runs[size] = (group, self.dp_rank % size)
+        return self._runs[size]
+
     def expert_groups(self, ep_size: int, data_before_expert: bool = False) -> ExpertGroups:
         """The expert and expert-data groups for `ep_size` (collective the first time for each
         size: every rank makes every group, in order). `data_before_expert`: DeepSpeed's
@@ -223,17 +246,7 @@ class Topology:
             raise ValueError(
                 f"ep_size {ep_size} must divide the data-parallel size {self.dp_world_size}"
             )
-        if self.mesh is not None:
-            data_lists = self.mesh.get_axis_comm_lists("data") or [
-                [r] for r in range(self.world_size)
-            ]
-        elif self.dp_world_size == self.world_size:
-            data_lists = [list(range(self.world_size))]
-        else:
-            raise ValueError(
-                "expert parallelism needs the data-parallel groups laid out by shardspeed "
-                "(a config's tensor_parallel, or a pipeline's topology), not a user's mpu"
-            )
+        data_lists = self._data_lists()
         replicas = self.dp_world_size // ep_size
         if data_before_expert:
             expert_lists = _strides(data_lists, replicas)

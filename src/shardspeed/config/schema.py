@@ -313,6 +313,26 @@ class TensorParallelConfig(StrictModel):
     }
 
 
+class HybridEngineConfig(StrictModel):
+    """`hybrid_engine`: one model that trains and generates (DeepSpeed-Chat's actor).
+    `engine.generate` builds an inference copy of the model (gathered from ZeRO-3 shards
+    `tp_gather_partition_size` gather units at a time, split over `inference_tp_size` ranks), keeps
+    it between generations while the weights are unchanged if `pin_parameters`, and drops the KV
+    cache after each generation if `release_inference_cache`."""
+
+    enabled: bool = False
+    max_out_tokens: PositiveInt = 512
+    inference_tp_size: PositiveInt = 1
+    release_inference_cache: bool = False
+    pin_parameters: bool = True
+    tp_gather_partition_size: PositiveInt = 8
+    enable_cuda_graph: bool = False
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "enable_cuda_graph": "decode steps are not captured in CUDA graphs",
+    }
+
+
 class CheckpointConfig(StrictModel):
     """`checkpoint`: how tags are checked across ranks, and where files go.
 
@@ -489,7 +509,7 @@ class ShardSpeedConfig(StrictModel):
     csv_monitor: Section = None
     comet: Section = None
     comms_logger: Section = None
-    hybrid_engine: Section = None
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
     compile: Section = None
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     expert_parallel: Section = None
@@ -518,7 +538,6 @@ class ShardSpeedConfig(StrictModel):
         "csv_monitor": ISSUE_TOOLS,
         "comet": ISSUE_TOOLS,
         "comms_logger": ISSUE_TOOLS,
-        "hybrid_engine": ISSUE_INFERENCE,
         "compile": NOT_PLANNED,
         "expert_parallel": NOT_PLANNED + " (DeepSpeed's AutoEP, which converts Hugging Face MoE "
         "blocks; build the model with shardspeed.moe.layer.MoE instead)",

@@ -83,6 +83,12 @@ def initialize(
     for line in non_default_settings(run_config):
         logger.info("config: %s", line)
     engine_class = PipelineEngine if pipelined else ShardSpeedEngine
+    if run_config.hybrid_engine.enabled:
+        if pipelined:
+            raise ConfigError("'hybrid_engine' does not combine with a PipelineModule")
+        from ..inference.hybrid import HybridEngine  # loads generation only when asked for
+
+        engine_class = HybridEngine
     engine = engine_class(
         model,
         run_config,

@@ -292,6 +292,17 @@ class ShardedParameters:
                 self._handles.append(m.register_forward_pre_hook(self._pre_forward(u)))
                 self._handles.append(m.register_forward_hook(self._post_forward(u)))
 
+    def strip_hooks(self, copy: nn.Module) -> None:
+        """Remove the gather hooks from a deep copy of the model (`copy.deepcopy` copies a
+        module's hook dictionaries, and these hooks would gather this model's shards)."""
+        ids = {handle.id for handle in self._handles}
+        for module in copy.modules():
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                for hook_id in ids & hooks.keys():
+                    del hooks[hook_id]
+            for hook_id in ids & module._forward_hooks_always_called.keys():
+                del module._forward_hooks_always_called[hook_id]
+
     def span(self, u: int) -> tuple[int, int]:
         regions = self.unit_regions[u]
         return self.layout.groups[regions[0]][0], self.layout.groups[regions[-1]][1]
