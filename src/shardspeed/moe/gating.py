@@ -65,17 +65,27 @@ def imbalance(exp_counts: torch.Tensor) -> float:
 class GateOutput:
     """What a gate decided for one batch of tokens.
 
-    `exp_counts` is the demand (what the router asked of each expert, before capacity dropped
-    anything, as DeepSpeed reports it); `tokens_per_expert` and `dropped` are what capacity let
-    through, for telemetry.
+    The decision is kept sparse, one entry per kept token-expert assignment (`token_index`,
+    `expert_index`, `slot_index`, `weight`), which is what the MoE layer dispatches with; the dense
+    [tokens, experts, capacity] tensors DeepSpeed's gate returns (`combine_weights`,
+    `dispatch_mask`) are built from it on request. `exp_counts` is the demand (what the router
+    asked of each expert, before capacity dropped anything, as DeepSpeed reports it);
+    `tokens_per_expert` and `dropped` are what capacity let through, for telemetry.
     """
 
     l_aux: torch.Tensor
     """Scalar load-balancing loss, to be added (scaled) to the training loss."""
-    combine_weights: torch.Tensor
-    """fp32 [tokens, experts, capacity]: weight of each slot's expert output for each token."""
-    dispatch_mask: torch.Tensor
-    """bool [tokens, experts, capacity]: which token fills which slot of which expert."""
+    num_tokens: int
+    capacity: int
+    """Slots per expert."""
+    token_index: torch.Tensor
+    """int64 [kept]: the token of each kept assignment."""
+    expert_index: torch.Tensor
+    """int64 [kept]: its expert."""
+    slot_index: torch.Tensor
+    """int64 [kept]: its slot in that expert's buffer."""
+    weight: torch.Tensor
+    """fp32 [kept]: the weight its expert output comes back with (differentiable)."""
     exp_counts: torch.Tensor
     """int64 [experts]: token-expert assignments per expert before capacity dropping."""
     dropped: torch.Tensor
@@ -83,6 +93,22 @@ class GateOutput:
     it is the caller's host sync, not the gate's)."""
     tokens_per_expert: torch.Tensor
     """int64 [experts]: assignments each expert actually receives."""
+
+    @property
+    def combine_weights(self) -> torch.Tensor:
+        """fp32 [tokens, experts, capacity]: weight of each slot's expert output for each token."""
+        shape = (self.num_tokens, self.exp_counts.numel(), self.capacity)
+        dense = self.weight.new_zeros(shape)
+        dense[self.token_index, self.expert_index, self.slot_index] = self.weight
+        return dense
+
+    @property
+    def dispatch_mask(self) -> torch.Tensor:
+        """bool [tokens, experts, capacity]: which token fills which slot of which expert."""
+        shape = (self.num_tokens, self.exp_counts.numel(), self.capacity)
+        dense = torch.zeros(shape, dtype=torch.bool, device=self.weight.device)
+        dense[self.token_index, self.expert_index, self.slot_index] = True
+        return dense
 
 
 class TopKGate(nn.Module):
@@ -221,19 +247,16 @@ class TopKGate(nn.Module):
         l_aux = self.num_experts * (gates.mean(dim=0) * first.float().mean(dim=0)).sum()
 
         token, expert = kept.nonzero(as_tuple=True)
-        slot = slots[token, expert]
-        shape = (num_tokens, self.num_experts, slots_per_expert)
-        combine_weights = gates.new_zeros(shape)
-        combine_weights[token, expert, slot] = weights[token, expert]
-        dispatch_mask = torch.zeros(shape, dtype=torch.bool, device=gates.device)
-        dispatch_mask[token, expert, slot] = True
-
         exp_counts = assigned.sum(dim=0)
         tokens_per_expert = kept.sum(dim=0)
         return GateOutput(
             l_aux=l_aux,
-            combine_weights=combine_weights,
-            dispatch_mask=dispatch_mask,
+            num_tokens=num_tokens,
+            capacity=slots_per_expert,
+            token_index=token,
+            expert_index=expert,
+            slot_index=slots[token, expert],
+            weight=weights[token, expert],
             exp_counts=exp_counts,
             dropped=exp_counts.sum() - tokens_per_expert.sum(),
             tokens_per_expert=tokens_per_expert,

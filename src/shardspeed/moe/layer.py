@@ -96,20 +96,25 @@ class MOELayer(nn.Module):
         tokens = hidden.reshape(-1, hidden.shape[-1])
         routed = self.gate(tokens, used_token)
         self.last_gate = routed
-        dispatched = torch.einsum("sec,sm->ecm", routed.dispatch_mask.type_as(tokens), tokens)
+        # Each kept assignment copies its token into its slot, and adds its slot's output back
+        # weighted: index copies over the kept assignments only, rather than products over every
+        # (token, expert, slot) triple.
+        model, capacity = tokens.shape[1], routed.capacity
+        slot_rows = routed.expert_index * capacity + routed.slot_index
+        dispatched = tokens.new_zeros(self.gate.num_experts * capacity, model).index_copy(
+            0, slot_rows, tokens.index_select(0, routed.token_index)
+        )
         # [experts, capacity, model] in expert order is, in rank order, each expert-group rank's
         # [local experts, capacity, model]: one equal chunk per destination.
-        capacity, model = dispatched.shape[1:]
         if self.ep_size > 1:
             dispatched = _AllToAll.apply(self._groups().ep_group, dispatched)
         slots = dispatched.reshape(self.ep_size, self.num_local_experts, capacity, model)
         expert_output = self.experts(slots)
         if self.ep_size > 1:
             expert_output = _AllToAll.apply(self._groups().ep_group, expert_output)
-        combined = torch.einsum(
-            "sec,ecm->sm",
-            routed.combine_weights.type_as(tokens),
-            expert_output.reshape(-1, capacity, model),
+        returned = expert_output.reshape(-1, model).index_select(0, slot_rows)
+        combined = tokens.new_zeros(tokens.shape).index_add(
+            0, routed.token_index, returned * routed.weight.unsqueeze(1).type_as(tokens)
         )
         return combined.reshape(hidden.shape), routed.l_aux, routed.exp_counts
 

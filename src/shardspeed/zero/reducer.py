@@ -191,7 +191,9 @@ class GradientReducer:
         if self.pre_scale != 1.0:
             chunk.mul_(self.pre_scale)
         group = self._groups[bucket.group]
-        if self.collective == "all_reduce":
+        if len(self._dst[bucket.group]) == 1:
+            bucket.works = []  # a group of one (experts no other rank holds): nothing to send
+        elif self.collective == "all_reduce":
             bucket.works = [all_reduce(chunk, group=group, async_op=True)]
         else:
             bucket.works = [
