@@ -820,8 +820,6 @@ def findings(results, modes, n_params: int, n_expert: int) -> list[str]:
     ds_ep, ds_dp = med(results, "deepspeed_ep2"), med(results, "deepspeed_dp")
     t_ds, t_dd = step_times(results, "deepspeed_ep2"), step_times(results, "deepspeed_dp")
     if tp_ep and ds_ep and t_ep and t_ds:
-        tokens = first("ours_ep2")["global_batch"] // WORLD * SEQ
-        slots = NUM_EXPERTS * ds_capacity(tokens)
         out.append(
             f"- Against DeepSpeed: shardspeed EP2 runs at {tp_ep / ds_ep:.2f}x DeepSpeed EP2"
             + (f", shardspeed DP at {tp_dp / ds_dp:.2f}x DeepSpeed DP" if tp_dp and ds_dp else "")
@@ -835,15 +833,12 @@ def findings(results, modes, n_params: int, n_expert: int) -> list[str]:
                 if t_dp and t_dd
                 else ""
             )
-            + ". DeepSpeed "
-            "0.19.8 moves tokens into the [experts, capacity, 256] buffer with an index_select "
-            "and back with a scatter (`_sparse_encode` / `_sparse_decode` in "
-            "deepspeed/moe/sharded_moe.py), while shardspeed's layer builds dense [tokens, "
-            "experts, capacity] dispatch and combine tensors and multiplies them in "
-            "(`einsum('sec,sm->ecm')` and `einsum('sec,ecm->sm')`, DeepSpeed's earlier dispatch): "
-            f"two [{tokens} x {slots}] x [{tokens} x 256] products a layer in forward and three in "
-            "backward, about as much arithmetic as the experts' own, and their backward is not "
-            "in these forward times. DDP and FSDP2 run shardspeed's layer, so they pay the same."
+            + ". Both libraries move tokens into the [experts, capacity, 256] buffer by index "
+            "and back (DeepSpeed's `_sparse_encode` / `_sparse_decode` in "
+            "deepspeed/moe/sharded_moe.py; shardspeed's `index_copy` / `index_add` over the kept "
+            "assignments), so the layers cost about the same; the step-time differences are the "
+            "optimizers and the gradient reduction (see the sections above). DDP and FSDP2 run "
+            "shardspeed's layer."
         )
     ref, dsr = first("ours_dp"), first("deepspeed_dp")
     if ref and dsr:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import sys
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -264,12 +265,18 @@ def _full_attention_only(model: nn.Module) -> bool:
 
 
 def _tp_size(model: nn.Module) -> int:
-    """Ranks the model's attention is split over (1 unless tensor parallelism split it)."""
+    """Ranks the model's attention heads are split over: the group of its first key projection
+    if that is split by columns (automatic tensor parallelism, also under int8), else 1."""
     from ..tensor_parallel.layers import ColumnParallelLinear
     from ..tensor_parallel.mappings import world_size
 
-    split = next((m for m in model.modules() if isinstance(m, ColumnParallelLinear)), None)
-    return world_size(split.group) if split is not None else 1
+    for name, module in model.named_modules():
+        if re.search(r"(^|\.)(k_proj|c_attn|key|qkv)$", name):
+            column = isinstance(module, ColumnParallelLinear) or (
+                getattr(module, "parallel", None) == "column"
+            )
+            return world_size(module.group) if column else 1
+    return 1
 
 
 class HFCausalLMAdapter(ModelAdapter):
