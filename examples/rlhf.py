@@ -25,11 +25,10 @@ import torch
 import torch.nn.functional as F
 
 import shardspeed as deepspeed
+from shardspeed.inference.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPT, GPTConfig
-
-from shardspeed.inference.sampling import SamplingParams
 
 VOWELS = torch.tensor([ord(c) for c in "aeiou"])
 PROMPTS = ["def ", "The ", "class ", "import ", "Return ", "# ", "if x", "for i in "]

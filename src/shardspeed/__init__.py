@@ -81,6 +81,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 _LAZY = {
     "initialize": "shardspeed.runtime.api",
     "tp_model_init": "shardspeed.runtime.api",
+    "init_inference": "shardspeed.inference.engine",
+    "InferenceEngine": "shardspeed.inference.engine",
     "ShardSpeedEngine": "shardspeed.runtime.engine",
     "init_distributed": "shardspeed.comm",
     "ConfigError": "shardspeed.config",
@@ -92,7 +94,9 @@ _SUBMODULES = (
     "comm",
     "compat",
     "config",
+    "inference",
     "launcher",
+    "moe",
     "ops",
     "optim",
     "pipe",

@@ -1,7 +1,13 @@
 """`shardspeed.moe` (DeepSpeed's `deepspeed.moe`): mixture of experts.
 
-So far: the gate (`gating.TopKGate`: top-1 and top-2 routing, capacity and token dropping, noisy
-gating, random token selection, the load-balancing loss, and beyond DeepSpeed a temperature and
-per-expert load factors) and `layer.MoE` with every expert on every rank. Expert parallelism
-(`ep_size` > 1) is issue 9's next part and refused until then.
+`gating.TopKGate` routes tokens (top-1 and top-2, capacity and token dropping, noisy gating, random
+token selection, the load-balancing loss, and beyond DeepSpeed a temperature and per-expert load
+factors); `layer.MoE` is DeepSpeed's layer, with expert parallelism (`ep_size` > 1: experts spread
+over an expert group, tokens exchanged all-to-all); `utils` holds DeepSpeed's param-group helpers.
+See docs/moe.md.
 """
+
+from . import gating, layer, utils
+from .layer import MoE
+
+__all__ = ["MoE", "gating", "layer", "utils"]

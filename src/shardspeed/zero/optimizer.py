@@ -26,6 +26,7 @@ tensor per group for stages 1 and 2), copies masters back to the model's dtype a
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import weakref
 from collections.abc import Iterator, Sequence
@@ -579,7 +580,7 @@ class ZeroOptimizer:
             owned = self.grad_flat
         elif self.stage == 1:
             ranges = self.shard_ranges
-            adjacent = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            adjacent = all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
             # One rank's shards are the whole buffer: a view, not a copy.
             owned = (
                 self.grad_flat[ranges[0][0] : ranges[-1][1]]
