@@ -169,7 +169,7 @@ def test_deprecated_zero_spellings_warn_and_map(caplog):
 
 def test_disabled_later_section_is_accepted():
     config = load({"tensorboard": {"enabled": False, "output_path": "x"}})
-    assert config.tensorboard == {"enabled": False, "output_path": "x"}
+    assert not config.tensorboard.enabled and config.tensorboard.output_path == "x"
 
 
 def test_config_from_json_file_and_base64(tmp_path):

@@ -323,13 +323,13 @@ def _unsupported(model: StrictModel, loc: tuple) -> list[str]:
     problems = []
     for name, field in type(model).model_fields.items():
         value = getattr(model, name)
-        if isinstance(value, StrictModel):
+        reason = type(model).unsupported_reason(name)
+        if isinstance(value, StrictModel) and reason is None:
             problems += _unsupported(value, (*loc, name))
             continue
-        reason = type(model).unsupported_reason(name)
         if reason is None or value == field.get_default(call_default_factory=True):
             continue
-        if _is_disabled(value):
+        if _is_disabled(value.model_dump() if isinstance(value, StrictModel) else value):
             logger.info("config section '%s' is disabled; accepted as is", key_path(*loc, name))
             continue
         problems.append(

@@ -19,7 +19,9 @@ Section = dict[str, Any] | None
 ISSUE_CHECKPOINT = "issue 5 (checkpoints)"
 ISSUE_OFFLOAD = "issue 6 (CPU and NVMe offload)"
 ISSUE_TP = "issue 8 (tensor parallelism, activation checkpointing)"
-ISSUE_INFERENCE = "issue 10 (inference and hybrid engine)"
+INFERENCE_ONLY = (
+    "an inference setting; for serving give it to shardspeed.init_inference (docs/inference.md)"
+)
 ISSUE_TOOLS = "issue 11 (profiling, monitoring, autotuning, compression)"
 NOT_PLANNED = "no planned issue yet"
 
@@ -306,10 +308,10 @@ class TensorParallelConfig(StrictModel):
         "dtype": "the model's dtype comes from the fp16 / bf16 sections",
         "vocab_parallel_lm_head": "the output head is not split by vocabulary automatically yet",
         "vocab_parallel_ce_backend": "only torch's cross-entropy is offered",
-        "tp": ISSUE_INFERENCE,
-        "injection_policy_tuple": ISSUE_INFERENCE,
-        "keep_module_on_host": ISSUE_INFERENCE,
-        "kernel_inject": ISSUE_INFERENCE,
+        "tp": INFERENCE_ONLY,
+        "injection_policy_tuple": INFERENCE_ONLY,
+        "keep_module_on_host": INFERENCE_ONLY,
+        "kernel_inject": INFERENCE_ONLY,
     }
 
 
@@ -331,6 +333,88 @@ class HybridEngineConfig(StrictModel):
     not_supported_until: ClassVar[dict[str, str]] = {
         "enable_cuda_graph": "decode steps are not captured in CUDA graphs",
     }
+
+
+class FlopsProfilerConfig(StrictModel):
+    """`flops_profiler`: profile one training step's forward (FLOPs, parameters, latency per
+    module) and print it on rank 0."""
+
+    enabled: bool = False
+    recompute_fwd_factor: float = Field(0.0, ge=0.0)
+    profile_step: PositiveInt = 1
+    module_depth: int = Field(-1, ge=-1)
+    top_modules: PositiveInt = 1
+    detailed: bool = True
+    output_file: str | None = None
+
+
+class CommsLoggerConfig(StrictModel):
+    """`comms_logger`: per collective, count, bytes, latency and bandwidth."""
+
+    enabled: bool = False
+    verbose: bool = False
+    prof_all: bool = True
+    prof_ops: list[str] = Field(default_factory=list)
+    debug: bool = False
+
+
+class FileMonitorConfig(StrictModel):
+    """`tensorboard` / `csv_monitor`: event files under `output_path`/`job_name`."""
+
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+class WandbConfig(StrictModel):
+    """`wandb`: Weights & Biases (needs the `wandb` package)."""
+
+    enabled: bool = False
+    group: str | None = None
+    team: str | None = None
+    project: str = "deepspeed"
+
+
+class AutotuningModelInfo(StrictModel):
+    profile: bool = False
+    num_params: PositiveInt | None = None
+    hidden_size: PositiveInt | None = None
+    num_layers: PositiveInt | None = None
+
+
+class AutotuningConfig(StrictModel):
+    """`autotuning`: what `shardspeed --autotuning tune|run` explores and how it measures."""
+
+    enabled: bool = False
+    fast: bool = True
+    results_dir: str = "autotuning_results"
+    exps_dir: str = "autotuning_exps"
+    overwrite: bool = True
+    start_profile_step: PositiveInt = 3
+    end_profile_step: PositiveInt = 5
+    metric_path: str | None = None
+    metric: Literal["throughput", "latency", "flops"] = "throughput"
+    tuner_type: Literal["gridsearch", "random", "model_based"] = "gridsearch"
+    tuner_early_stopping: PositiveInt = 5
+    tuner_num_trials: PositiveInt = 50
+    arg_mappings: dict[str, str] | None = None
+    max_train_batch_size: PositiveInt | None = None
+    min_train_batch_size: PositiveInt = 1
+    max_train_micro_batch_size_per_gpu: PositiveInt = 1024
+    min_train_micro_batch_size_per_gpu: PositiveInt = 1
+    num_tuning_micro_batch_sizes: PositiveInt = 3
+    mp_size: PositiveInt = 1
+    model_info: AutotuningModelInfo | None = None
+    model_info_path: str | None = None
+
+    @model_validator(mode="after")
+    def _profile_window(self) -> AutotuningConfig:
+        if self.end_profile_step < self.start_profile_step:
+            raise ValueError(
+                f"end_profile_step {self.end_profile_step} is before start_profile_step "
+                f"{self.start_profile_step}"
+            )
+        return self
 
 
 class CheckpointConfig(StrictModel):
@@ -496,19 +580,19 @@ class ShardSpeedConfig(StrictModel):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig
     )
-    flops_profiler: Section = None
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
-    autotuning: Section = None
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
     data_efficiency: Section = None
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     torch_autocast: Section = None
     data_types: Section = None
-    tensorboard: Section = None
-    wandb: Section = None
-    csv_monitor: Section = None
+    tensorboard: FileMonitorConfig = Field(default_factory=FileMonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    csv_monitor: FileMonitorConfig = Field(default_factory=FileMonitorConfig)
     comet: Section = None
-    comms_logger: Section = None
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
     compile: Section = None
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
