@@ -342,7 +342,7 @@ BAD_CONFIGS = [
         {"checkpoint": {"use_node_local_storage": True}},
         "'checkpoint.use_node_local_storage' is a DeepSpeed key that shardspeed does not support",
     ),
-    ({"tensorboard": {"enabled": True}}, "'tensorboard'"),
+    ({"comet": {"enabled": True}}, "'comet'"),
     ({"hybrid_engine": {"enable_cuda_graph": True}}, "hybrid_engine.enable_cuda_graph"),
     ({"gradient_allreduce_op": "max"}, "'gradient_allreduce_op'"),
     ({"fp16": {"fp16_master_weights_and_grads": True}}, "'fp16.fp16_master_weights_and_grads'"),

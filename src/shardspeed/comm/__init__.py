@@ -22,10 +22,12 @@ from .comm import (
     reduce_scatter_tensor,
     reset_comm_volume,
 )
+from .logger import CommsLogger, comms_logger, configure_comms_logger, log_summary, reset_log
 from .topology import ExpertGroups, Topology
 
 __all__ = [
     "CollectiveError",
+    "CommsLogger",
     "ExpertGroups",
     "ReduceOp",
     "Topology",
@@ -37,6 +39,8 @@ __all__ = [
     "broadcast",
     "collective_sequence",
     "comm_volume",
+    "comms_logger",
+    "configure_comms_logger",
     "default_backend",
     "free_port",
     "get_local_rank",
@@ -44,7 +48,9 @@ __all__ = [
     "get_world_size",
     "init_distributed",
     "is_initialized",
+    "log_summary",
     "reduce",
     "reduce_scatter_tensor",
     "reset_comm_volume",
+    "reset_log",
 ]

@@ -3,9 +3,10 @@ failed collective say which rank stopped where.
 
 Everything goes through torch.distributed (gloo on CPU, NCCL on CUDA). The wrappers exist so that
 every room reports its traffic the same way; on success they add only counters to the collective
-itself. Each wrapped collective takes this process's next sequence number. When one raises (or its
-work's `wait()` does), the rank publishes where it stopped to the default group's store, reads
-what its peers published for a few seconds, and raises `CollectiveError` saying both.
+itself (and, while the comms logger is on, its timing: `logger.py`). Each wrapped collective takes
+this process's next sequence number. When one raises (or its work's `wait()` does), the rank
+publishes where it stopped to the default group's store, reads what its peers published for a few
+seconds, and raises `CollectiveError` saying both.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..utils.net import free_port, port_is_free
+from .logger import comms_logger
 
 ReduceOp = dist.ReduceOp
 # torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
@@ -135,9 +137,12 @@ def barrier(group: Any = None) -> None:
         _run("barrier", group, False, dist.barrier)
 
 
-def _count(name: str, tensor: torch.Tensor) -> None:
-    _bytes[name] += tensor.numel() * tensor.element_size()
+def _count(name: str, tensor: torch.Tensor) -> int:
+    """Add one call of `tensor`'s payload to `name`; return the payload bytes (for the logger)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    _bytes[name] += nbytes
     _calls[name] += 1
+    return nbytes
 
 
 def comm_volume() -> dict[str, dict[str, int]]:
@@ -167,38 +172,55 @@ def collective_sequence() -> int:
 
 
 def _run(
-    name: str, group: Any, async_op: bool, call: Callable[..., Any], /, *args: Any, **kwargs: Any
+    name: str,
+    group: Any,
+    async_op: bool,
+    call: Callable[..., Any],
+    /,
+    *args: Any,
+    nbytes: int = 0,
+    **kwargs: Any,
 ) -> Any:
-    # The hot path: an int increment and, for async work, a small wrapper. No host sync, no store
-    # traffic, no stack capture unless the collective fails.
+    # The hot path: an int increment, one flag test and, for async work, a small wrapper. No host
+    # sync, no store traffic, no stack capture unless the collective fails or the comms logger is
+    # on. `nbytes` is the payload the logger reports (what `_count` returned).
     global _seq
     _seq += 1
     seq = _seq
+    timing = comms_logger.start(name, nbytes, group) if comms_logger.enabled else None
     try:
         work = call(*args, group=group, async_op=async_op, **kwargs)
     except RuntimeError as exc:  # gloo / NCCL failures and timeouts are RuntimeErrors
         raise _collective_error(name, seq, group, exc, None) from exc
     if async_op and work is not None:
-        return _CheckedWork(work, name, seq, group)
+        return _CheckedWork(work, name, seq, group, timing)
+    if timing is not None:
+        comms_logger.finish(timing)
     return work
 
 
 class _CheckedWork:
-    """The Work of an async collective whose `wait()` raises `CollectiveError`; the rest of the
-    Work API is delegated (`.work` is the real object, for APIs that need it)."""
+    """The Work of an async collective whose `wait()` raises `CollectiveError` and, when the comms
+    logger times it, records it on the first return; the rest of the Work API is delegated
+    (`.work` is the real object, for APIs that need it)."""
 
-    __slots__ = ("_group", "_op", "_seq", "work")
+    __slots__ = ("_group", "_op", "_seq", "_timing", "work")
 
-    def __init__(self, work: Any, op: str, seq: int, group: Any) -> None:
+    def __init__(self, work: Any, op: str, seq: int, group: Any, timing: Any = None) -> None:
         self.work, self._op, self._seq, self._group = work, op, seq, group
+        self._timing = timing
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         start = time.monotonic()
         try:
-            return self.work.wait(*args, **kwargs)
+            result = self.work.wait(*args, **kwargs)
         except RuntimeError as exc:
             waited = time.monotonic() - start
             raise _collective_error(self._op, self._seq, self._group, exc, waited) from exc
+        if self._timing is not None:
+            comms_logger.finish(self._timing)
+            self._timing = None
+        return result
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.work, name)
@@ -358,20 +380,22 @@ def _peer_lines(
 def all_reduce(
     tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> Any:
-    _count("all_reduce", tensor)
-    return _run("all_reduce", group, async_op, dist.all_reduce, tensor, op=op)
+    nbytes = _count("all_reduce", tensor)
+    return _run("all_reduce", group, async_op, dist.all_reduce, tensor, op=op, nbytes=nbytes)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
-    _count("broadcast", tensor)
-    return _run("broadcast", group, async_op, dist.broadcast, tensor, src=src)
+    nbytes = _count("broadcast", tensor)
+    return _run("broadcast", group, async_op, dist.broadcast, tensor, src=src, nbytes=nbytes)
 
 
 def all_gather_into_tensor(
     output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> Any:
-    _count("all_gather", output)
-    return _run("all_gather_into_tensor", group, async_op, _all_gather_single, output, tensor)
+    nbytes = _count("all_gather", output)
+    return _run(
+        "all_gather_into_tensor", group, async_op, _all_gather_single, output, tensor, nbytes=nbytes
+    )
 
 
 def reduce_scatter_tensor(
@@ -381,9 +405,16 @@ def reduce_scatter_tensor(
     group: Any = None,
     async_op: bool = False,
 ) -> Any:
-    _count("reduce_scatter", tensor)
+    nbytes = _count("reduce_scatter", tensor)
     return _run(
-        "reduce_scatter_tensor", group, async_op, _reduce_scatter_single, output, tensor, op=op
+        "reduce_scatter_tensor",
+        group,
+        async_op,
+        _reduce_scatter_single,
+        output,
+        tensor,
+        op=op,
+        nbytes=nbytes,
     )
 
 
@@ -394,8 +425,8 @@ def reduce(
     group: Any = None,
     async_op: bool = False,
 ) -> Any:
-    _count("reduce", tensor)
-    return _run("reduce", group, async_op, dist.reduce, tensor, dst=dst, op=op)
+    nbytes = _count("reduce", tensor)
+    return _run("reduce", group, async_op, dist.reduce, tensor, dst=dst, op=op, nbytes=nbytes)
 
 
 def all_to_all_single(
@@ -403,14 +434,16 @@ def all_to_all_single(
 ) -> Any:
     """Split `tensor` into equal chunks along dim 0, the i-th to group rank i; `output` gets the
     chunks sent here, in rank order."""
-    _count("all_to_all", tensor)
-    return _run("all_to_all_single", group, async_op, dist.all_to_all_single, output, tensor)
+    nbytes = _count("all_to_all", tensor)
+    return _run(
+        "all_to_all_single", group, async_op, dist.all_to_all_single, output, tensor, nbytes=nbytes
+    )
 
 
 def all_gather(
     outputs: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> Any:
-    for output in outputs:
-        _bytes["all_gather"] += output.numel() * output.element_size()
+    nbytes = sum(output.numel() * output.element_size() for output in outputs)
+    _bytes["all_gather"] += nbytes
     _calls["all_gather"] += 1
-    return _run("all_gather", group, async_op, dist.all_gather, outputs, tensor)
+    return _run("all_gather", group, async_op, dist.all_gather, outputs, tensor, nbytes=nbytes)

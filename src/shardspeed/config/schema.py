@@ -617,11 +617,7 @@ class ShardSpeedConfig(StrictModel):
         "data_efficiency": NOT_PLANNED,
         "torch_autocast": NOT_PLANNED,
         "data_types": NOT_PLANNED,
-        "tensorboard": ISSUE_TOOLS,
-        "wandb": ISSUE_TOOLS,
-        "csv_monitor": ISSUE_TOOLS,
         "comet": ISSUE_TOOLS,
-        "comms_logger": ISSUE_TOOLS,
         "compile": NOT_PLANNED,
         "expert_parallel": NOT_PLANNED + " (DeepSpeed's AutoEP, which converts Hugging Face MoE "
         "blocks; build the model with shardspeed.moe.layer.MoE instead)",

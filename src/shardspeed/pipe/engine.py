@@ -144,12 +144,15 @@ class PipelineEngine(ShardSpeedEngine):
                 self._apply_step()
                 self.micro_steps += m
             elif isinstance(batch[0], ReduceGrads):
-                self.optimizer.finish_reduction()
+                with self._timed("reduce"):
+                    self.optimizer.finish_reduction()
                 elapsed = time.perf_counter() - start
                 self._times = (run.busy, elapsed)
                 self.bubble = (1.0 - run.busy / elapsed, bubble_fraction(*self._shape(m)))
             else:
-                self._execute(batch, run, m, last_backward)
+                # The schedule's timeline: one span per instruction (or batched transfer).
+                with self.tracer.span(_trace_name(batch), "pipeline"):
+                    self._execute(batch, run, m, last_backward)
         self.agg_train_loss = self._mean_over_replicas(run.results, m)
         self._report_bubble()
         return self.agg_train_loss
@@ -494,3 +497,15 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, tuple | list):
         return type(value)(_to_device(v, device) for v in value)
     return value
+
+
+def _trace_name(batch: list[Instruction]) -> str:
+    """A span's name: the instruction kind, its micro-batch and chunk where it has them."""
+    first = batch[0]
+    name = type(first).__name__
+    micro = getattr(first, "micro_batch", None)
+    if micro is not None:
+        name += f" m{micro}"
+    if len(batch) > 1:
+        name += f" (+{len(batch) - 1})"
+    return name

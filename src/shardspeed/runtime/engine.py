@@ -22,11 +22,13 @@ from torch import nn
 
 from .. import checkpointing
 from ..checkpoint import load_engine, save_engine
-from ..comm import Topology, all_reduce, barrier, get_local_rank
+from ..checkpoint.values import all_gather_json
+from ..comm import Topology, all_reduce, barrier, configure_comms_logger, get_local_rank
 from ..config import ShardSpeedConfig, optimizer_params, scheduler_params
 from ..config.errors import ConfigError
 from ..moe.gating import imbalance
 from ..moe.layer import MoE
+from ..monitor import MonitorMaster, NullRecorder, TraceRecorder, merge_gathered, training_events
 from ..optim import build_optimizer, build_scheduler
 from ..precision import build_loss_scaler
 from ..zero import (
@@ -82,6 +84,16 @@ class ShardSpeedEngine(nn.Module):
         self._step_applied = False
         self._in_no_sync = False
         self._timers: dict[str, float] = {}
+        # Monitors write on rank 0; `enabled` is the same on every rank, so what it gates may
+        # include collectives. The tracer records nothing until `start_trace()`.
+        self.monitor = MonitorMaster(
+            config.tensorboard, config.csv_monitor, config.wandb, topology.rank
+        )
+        self.tracer: TraceRecorder | NullRecorder = NullRecorder()
+        self.comms_logger = configure_comms_logger(config.comms_logger)
+        self.comm_summary: dict[str, Any] = {}  # the last step's collectives, when logging
+        self._window_loss: torch.Tensor | None = None
+        self._last_step_clock: float | None = None
 
         self.dtype = _DTYPES[config.precision]
         model.to(device=self.device)
@@ -344,7 +356,11 @@ class ShardSpeedEngine(nn.Module):
         scale = self.optimizer.loss_scale
         with self._timed("backward"):
             (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-            self.optimizer.finish_reduction()  # a no-op on micro-steps that do not reduce
+            with self._timed("reduce"):
+                self.optimizer.finish_reduction()  # a no-op on micro-steps that do not reduce
+        if self.monitor.enabled:  # the window's mean loss, kept on the device until the step
+            part = loss.detach().float()
+            self._window_loss = part if self._window_loss is None else self._window_loss + part
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
@@ -370,7 +386,10 @@ class ShardSpeedEngine(nn.Module):
             self.skipped_steps += 1
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        if self.comms_logger.enabled:
+            self.comm_summary = self.comms_logger.step_summary()
         self._report()
+        self._write_monitor()
         if self.global_steps == 1:
             sizes = ", ".join(f"{k} {_size(v)}" for k, v in self.memory_breakdown().items())
             logger.info("model state held per rank after the first step: %s", sizes)
@@ -418,15 +437,18 @@ class ShardSpeedEngine(nn.Module):
 
     @contextlib.contextmanager
     def _timed(self, name: str) -> Iterator[None]:
+        category = _TRACE_CATEGORIES.get(name, "compute")
         if not self.config.wall_clock_breakdown:
-            yield
+            with self.tracer.span(name, category):
+                yield
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        with self.tracer.span(name, category):
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
         self._timers[name] = self._timers.get(name, 0.0) + time.perf_counter() - start
 
     def _report(self) -> None:
@@ -445,6 +467,55 @@ class ShardSpeedEngine(nn.Module):
             times = " | ".join(f"{k}: {v * 1000 / every:.2f} ms" for k, v in self._timers.items())
             logger.info("time per step (mean of %d): %s", every, times)
             self._timers.clear()
+
+    def _write_monitor(self) -> None:
+        """After an optimizer step: the step's metrics to the configured monitors."""
+        if not self.monitor.enabled:
+            return
+        now = time.perf_counter()
+        rate = (
+            self.train_batch_size() / (now - self._last_step_clock)
+            if self._last_step_clock is not None
+            else None
+        )
+        self._last_step_clock = now
+        loads = {n: load for n, load in self.expert_load().items() if load}
+        comm = [
+            (f"Train/Samples/comm/{op}/{field}", float(stats[field]), self.global_samples)
+            for op, stats in self.comm_summary.items()
+            for field in ("bytes", "latency_ms", "busbw_gbps")
+            if field in stats
+        ]
+        self.monitor.write_events(
+            comm
+            + training_events(
+                self.global_steps,
+                self.global_samples,
+                loss=self._window_loss,
+                lr=self.get_lr()[0] if self.basic_optimizer is not None else None,
+                loss_scale=self.loss_scale if self.fp16_enabled() else None,
+                grad_norm=self.get_global_grad_norm(),
+                samples_per_sec=rate,
+                memory=self.memory_breakdown(),
+                expert_load=loads or None,
+            )
+        )
+        self._window_loss = None
+
+    def start_trace(self) -> None:
+        """Record this rank's forward, backward, reduction and optimizer spans (and a pipeline's
+        instructions) from now on, for `save_trace`."""
+        self.tracer = TraceRecorder(self.global_rank)
+
+    def save_trace(self, path: str) -> str | None:
+        """Stop recording and write every rank's spans as one Chrome trace (Perfetto,
+        chrome://tracing): a track group per rank. Collective; rank 0 writes `path` and gets it
+        back, the others None."""
+        gathered = all_gather_json(self.tracer.events())
+        self.tracer = NullRecorder()
+        if self.global_rank != 0:
+            return None
+        return merge_gathered(gathered, path)
 
     # -- DeepSpeed's accessors --------------------------------------------------------------------
 
@@ -612,9 +683,11 @@ class ShardSpeedEngine(nn.Module):
         )
 
     def destroy(self) -> None:
-        """Release what the engine holds outside Python's objects: gradient hooks, swap files."""
+        """Release what the engine holds outside Python's objects: gradient hooks, swap files,
+        monitor files."""
         if self.optimizer is not None:
             self.optimizer.close()
+        self.monitor.close()
 
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:
@@ -775,6 +848,10 @@ def stage3_options(zero: Any) -> Stage3Options:
         leaf_name_suffixes=tuple(leaf.name_suffixes),
         leaf_required=tuple(required),
     )
+
+
+# Trace tracks of the timed phases; the rest are compute.
+_TRACE_CATEGORIES = {"reduce": "communication", "step": "optimizer"}
 
 
 def _device() -> torch.device:

@@ -1,0 +1,327 @@
+"""The autotuner's analytic planner: which ZeRO stage / micro-batch / accumulation settings to try first.
+
+Every measured trial costs a launch, so the planner prunes what cannot fit in memory and ranks the
+rest by an estimated throughput, both from a model calibrated on one measured trial. Per rank, with
+P parameters per model-parallel rank, N data-parallel ranks, f = (N - 1) / N, w bytes per 16-bit or
+fp32 parameter, m the micro-batch, g the accumulation steps and T tokens per sample:
+
+- memory = the ZeRO paper's model states (:func:`shardspeed.zero.estimate.model_state_bytes`, Adam
+  assumed) + a * m, where a (activation bytes per sample) = (measured peak - model states) / m at the
+  calibration trial. Anything else the trial held (buffers, the runtime) is counted in a, which
+  overestimates the memory of every larger micro-batch: the safe side for pruning.
+- compute = 6 * P * T * m * g / F + o * g, F (FLOP/s) fitted to the measured step time less the
+  estimated communication, o (seconds per micro-step) only once two measurements differ in m.
+- communication = bytes per step / B, B the bus bandwidth of a measured all-reduce; ring collectives
+  move f * w * P bytes a rank per reduce-scatter or all-gather and twice that per all-reduce: stage 0
+  one all-reduce a step; stage 1 a reduce to the owners a step plus the all-gather of the updated
+  shards; stage 2 the reduce every micro-step plus the all-gather; stage 3 per micro-step a gather
+  for forward, one for backward and the reduce.
+- step = compute + communication (no overlap assumed), throughput = m * g * N / step samples/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from shardspeed.zero.estimate import model_state_bytes
+
+STAGES = (0, 1, 2, 3)
+_WIDTH = {"fp16": 2, "bf16": 2, "fp32": 4}
+# A measured step time is never all communication: when the bandwidth estimate says otherwise, this
+# share of it is still kept as compute so that the fitted FLOP/s stays finite.
+_MIN_COMPUTE_SHARE = 0.05
+_GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration to try: ZeRO stage, micro-batch per rank, accumulation steps, batch size."""
+
+    stage: int
+    micro_batch: int
+    grad_accum: int
+    train_batch: int
+
+    @property
+    def name(self) -> str:
+        return f"z{self.stage}_mbs{self.micro_batch}_gas{self.grad_accum}"
+
+    @property
+    def samples_per_rank(self) -> int:
+        return self.micro_batch * self.grad_accum
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a trial measured: optimizer-step time and, if known, the peak memory of a rank."""
+
+    candidate: Candidate
+    step_time_s: float
+    peak_memory_bytes: float | None = None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The planner's figures for one candidate, per rank (throughput for the whole job)."""
+
+    candidate: Candidate
+    model_state_bytes: float
+    activation_bytes: float
+    compute_s: float
+    comm_s: float
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.model_state_bytes + self.activation_bytes
+
+    @property
+    def step_time_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def throughput(self) -> float:
+        return self.candidate.train_batch / self.step_time_s
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Candidates to try, best estimate first, and those left out with the reason."""
+
+    ranked: list[Estimate]
+    pruned: list[tuple[Estimate, str]]
+
+
+def micro_batch_sizes(
+    low: int, high: int, requested: int | Sequence[int] | None = None
+) -> list[int]:
+    """Micro-batch sizes to consider: a list the user gave, else the powers of two in [low, high]
+    with both bounds and the user's own size, so that the ladder is short but spans the range."""
+    if isinstance(requested, Sequence):
+        return sorted({int(size) for size in requested})
+    if low > high:
+        raise ValueError(f"min micro-batch size {low} is above the max {high}")
+    sizes = {low, high}
+    power = 1
+    while power <= high:
+        if power >= low:
+            sizes.add(power)
+        power *= 2
+    if requested is not None and low <= requested <= high:
+        sizes.add(requested)
+    return sorted(sizes)
+
+
+def enumerate_candidates(
+    stages: Iterable[int],
+    micro_batches: Iterable[int],
+    dp_size: int,
+    *,
+    train_batch_size: int | None = None,
+    grad_accum: int | None = None,
+    min_train_batch_size: int = 1,
+    max_train_batch_size: int | None = None,
+) -> list[Candidate]:
+    """Every (stage, micro-batch) pair with the accumulation steps that keep the batch rules.
+
+    A fixed `train_batch_size` stays fixed (it is part of the optimization, not of the speed): only
+    micro-batches dividing it per rank are kept, with the steps it implies. Otherwise the steps are
+    the largest that keep the batch within `max_train_batch_size`, or `grad_accum` (default 1)
+    without a maximum, as DeepSpeed's autotuner does; batches below `min_train_batch_size` are dropped.
+    """
+    high = max_train_batch_size if max_train_batch_size is not None else math.inf
+    if train_batch_size is not None and not min_train_batch_size <= train_batch_size <= high:
+        raise ValueError(
+            f"train_batch_size {train_batch_size} is outside the autotuning bounds "
+            f"[{min_train_batch_size}, {max_train_batch_size}]"
+        )
+    candidates = []
+    for stage in sorted(set(stages)):
+        if stage not in STAGES:
+            raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
+        for micro in sorted(set(micro_batches)):
+            per_step = micro * dp_size
+            if train_batch_size is not None:
+                if train_batch_size % per_step:
+                    continue
+                steps = train_batch_size // per_step
+            elif max_train_batch_size is not None:
+                steps = max_train_batch_size // per_step
+            else:
+                steps = grad_accum or 1
+            if steps < 1 or per_step * steps < min_train_batch_size:
+                continue
+            candidates.append(Candidate(stage, micro, steps, per_step * steps))
+    return candidates
+
+
+@dataclass(frozen=True)
+class Planner:
+    """The memory and step-time model of the module docstring, for one model and job shape.
+
+    Built uncalibrated from what the config says; :meth:`calibrate` returns a copy fitted to
+    measurements. `bandwidth` (bus bytes/s) is needed only when there is more than one data-parallel
+    rank. `offload_optimizer` / `offload_param` say what the user's config offloads; they count
+    only at the stages that can offload (1-3 and 3).
+    """
+
+    num_params: int
+    dp_size: int
+    mp_size: int = 1
+    precision: str = "fp16"
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    bandwidth: float | None = None
+    tokens_per_sample: float = 1.0
+    flops_per_s: float | None = None
+    micro_step_s: float = 0.0
+    activation_bytes_per_sample: float = 0.0
+
+    @property
+    def params_per_rank(self) -> float:
+        return self.num_params / self.mp_size
+
+    def model_states(self, candidate: Candidate) -> dict[str, float]:
+        """:func:`model_state_bytes` for this candidate's stage and the offloads it allows."""
+        return model_state_bytes(
+            math.ceil(self.params_per_rank),
+            self.dp_size,
+            candidate.stage,
+            self.precision,
+            offload_optimizer=self.offload_optimizer and candidate.stage >= 1,
+            offload_param=self.offload_param and candidate.stage == 3,
+        )
+
+    def comm_bytes(self, candidate: Candidate) -> float:
+        """Bytes one rank sends per optimizer step, in units of a ring reduce-scatter's traffic."""
+        share = (self.dp_size - 1) / self.dp_size * _WIDTH[self.precision] * self.params_per_rank
+        steps = candidate.grad_accum
+        passes = {0: 2, 1: 2, 2: steps + 1, 3: 3 * steps}[candidate.stage]
+        return passes * share
+
+    def comm_s(self, candidate: Candidate) -> float:
+        traffic = self.comm_bytes(candidate)
+        if not traffic:
+            return 0.0
+        if not self.bandwidth:
+            raise ValueError(
+                f"{self.dp_size} data-parallel ranks communicate: measure a bandwidth first"
+            )
+        return traffic / self.bandwidth
+
+    def estimate(self, candidate: Candidate) -> Estimate:
+        if self.flops_per_s is None:
+            raise ValueError("the planner is not calibrated: call calibrate() with a measurement")
+        flops = 6 * self.params_per_rank * self.tokens_per_sample * candidate.samples_per_rank
+        return Estimate(
+            candidate,
+            model_state_bytes=self.model_states(candidate)["device_total"],
+            activation_bytes=self.activation_bytes_per_sample * candidate.micro_batch,
+            compute_s=flops / self.flops_per_s + self.micro_step_s * candidate.grad_accum,
+            comm_s=self.comm_s(candidate),
+        )
+
+    def calibrate(self, measurements: Sequence[Measurement]) -> Planner:
+        """A copy fitted to `measurements` (at least one).
+
+        Compute time (step less estimated communication) is fitted by least squares as seconds per
+        sample plus, once two micro-batch sizes were measured, seconds per micro-step; the fit keeps
+        both non-negative. Activation bytes per sample: the largest residual over the measurements
+        with a peak memory, so the estimate errs towards more memory.
+        """
+        if not measurements:
+            raise ValueError("calibrate() needs at least one measurement")
+        rows = []
+        for measured in measurements:
+            compute = measured.step_time_s - self.comm_s(measured.candidate)
+            compute = max(compute, _MIN_COMPUTE_SHARE * measured.step_time_s)
+            rows.append(
+                (measured.candidate.samples_per_rank, measured.candidate.grad_accum, compute)
+            )
+        per_sample, per_micro_step = _fit_non_negative(rows)
+        residuals = [
+            (m.peak_memory_bytes - self.model_states(m.candidate)["device_total"])
+            / m.candidate.micro_batch
+            for m in measurements
+            if m.peak_memory_bytes is not None
+        ]
+        flops = 6 * self.params_per_rank * self.tokens_per_sample / per_sample
+        activation = max([0.0, *residuals]) if residuals else self.activation_bytes_per_sample
+        return dataclasses.replace(
+            self,
+            flops_per_s=flops,
+            micro_step_s=per_micro_step,
+            activation_bytes_per_sample=activation,
+        )
+
+    def plan(
+        self,
+        candidates: Iterable[Candidate],
+        memory_limit_bytes: float | None,
+        *,
+        per_stage: int | None = None,
+        metric: str = "throughput",
+    ) -> Plan:
+        """Rank `candidates` by estimate (throughput, or step time for the latency metric).
+
+        Those estimated over `memory_limit_bytes` (None: no limit) are pruned, then per stage only
+        the `per_stage` best micro-batch sizes are kept. Ties go to the larger micro-batch (better
+        device utilisation than the model counts), then the lower stage (less communication).
+        """
+        fitting, pruned = [], []
+        for candidate in candidates:
+            estimate = self.estimate(candidate)
+            if memory_limit_bytes is not None and estimate.memory_bytes > memory_limit_bytes:
+                pruned.append(
+                    (
+                        estimate,
+                        f"estimated {estimate.memory_bytes / _GIB:.3f} GiB > limit "
+                        f"{memory_limit_bytes / _GIB:.3f} GiB",
+                    )
+                )
+            else:
+                fitting.append(estimate)
+
+        def order(estimate: Estimate) -> tuple[float, int, int]:
+            score = -estimate.step_time_s if metric == "latency" else estimate.throughput
+            # Rounded so that candidates the model cannot tell apart tie exactly.
+            return (
+                -float(f"{score:.6g}"),
+                -estimate.candidate.micro_batch,
+                estimate.candidate.stage,
+            )
+
+        ranked, kept_per_stage = [], dict.fromkeys(STAGES, 0)
+        for estimate in sorted(fitting, key=order):
+            stage = estimate.candidate.stage
+            if per_stage is not None and kept_per_stage[stage] >= per_stage:
+                pruned.append(
+                    (estimate, f"beyond the {per_stage} best micro-batch sizes of stage {stage}")
+                )
+                continue
+            kept_per_stage[stage] += 1
+            ranked.append(estimate)
+        return Plan(ranked, pruned)
+
+
+def _fit_non_negative(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least squares y = a * x1 + b * x2 with a > 0 and b >= 0, for rows (x1, x2, y).
+
+    x1 / x2 (the micro-batch) constant over the rows leaves b unidentifiable: it is then 0.
+    """
+    s11 = sum(x1 * x1 for x1, _, _ in rows)
+    s22 = sum(x2 * x2 for _, x2, _ in rows)
+    s12 = sum(x1 * x2 for x1, x2, _ in rows)
+    s1y = sum(x1 * y for x1, _, y in rows)
+    s2y = sum(x2 * y for _, x2, y in rows)
+    only_a = (s1y / s11, 0.0)
+    determinant = s11 * s22 - s12 * s12
+    if determinant <= 1e-12 * s11 * s22:
+        return only_a
+    a = (s1y * s22 - s2y * s12) / determinant
+    b = (s2y * s11 - s1y * s12) / determinant
+    if a > 0 and b >= 0:
+        return a, b
+    return only_a
