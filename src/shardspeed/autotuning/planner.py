@@ -6,9 +6,10 @@ P parameters per model-parallel rank, N data-parallel ranks, f = (N - 1) / N, w 
 fp32 parameter, m the micro-batch, g the accumulation steps and T tokens per sample:
 
 - memory = the ZeRO paper's model states (:func:`shardspeed.zero.estimate.model_state_bytes`, Adam
-  assumed) + a * m, where a (activation bytes per sample) = (measured peak - model states) / m at the
-  calibration trial. Anything else the trial held (buffers, the runtime) is counted in a, which
-  overestimates the memory of every larger micro-batch: the safe side for pruning.
+  assumed) + r + a * m. When the trial measured its activations (bytes one forward pass keeps),
+  a = activations / m and r (buffers, the runtime) = peak - model states - activations. Without
+  that, r = 0 and a = (peak - model states) / m: what r would be is then charged to every sample,
+  which overestimates the memory of every larger micro-batch, the safe side for pruning.
 - compute = 6 * P * T * m * g / F + o * g, F (FLOP/s) fitted to the measured step time less the
   estimated communication, o (seconds per micro-step) only once two measurements differ in m.
 - communication = bytes per step / B, B the bus bandwidth of a measured all-reduce; ring collectives
@@ -33,7 +34,15 @@ _WIDTH = {"fp16": 2, "bf16": 2, "fp32": 4}
 # A measured step time is never all communication: when the bandwidth estimate says otherwise, this
 # share of it is still kept as compute so that the fitted FLOP/s stays finite.
 _MIN_COMPUTE_SHARE = 0.05
-_GIB = 2**30
+
+
+def format_bytes(value: float) -> str:
+    """``1.5 GiB``, ``12 KiB``: readable at any size."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.4g} {unit}"
+        value /= 1024
+    return f"{value:.4g} TiB"
 
 
 @dataclass(frozen=True)
@@ -56,11 +65,13 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Measurement:
-    """What a trial measured: optimizer-step time and, if known, the peak memory of a rank."""
+    """What a trial measured: optimizer-step time and, if known, a rank's peak memory and the
+    activation memory of one forward pass."""
 
     candidate: Candidate
     step_time_s: float
     peak_memory_bytes: float | None = None
+    activation_bytes: float | None = None
 
 
 @dataclass(frozen=True)
@@ -69,13 +80,14 @@ class Estimate:
 
     candidate: Candidate
     model_state_bytes: float
+    runtime_bytes: float
     activation_bytes: float
     compute_s: float
     comm_s: float
 
     @property
     def memory_bytes(self) -> float:
-        return self.model_state_bytes + self.activation_bytes
+        return self.model_state_bytes + self.runtime_bytes + self.activation_bytes
 
     @property
     def step_time_s(self) -> float:
@@ -178,6 +190,7 @@ class Planner:
     flops_per_s: float | None = None
     micro_step_s: float = 0.0
     activation_bytes_per_sample: float = 0.0
+    runtime_bytes: float = 0.0
 
     @property
     def params_per_rank(self) -> float:
@@ -218,6 +231,7 @@ class Planner:
         return Estimate(
             candidate,
             model_state_bytes=self.model_states(candidate)["device_total"],
+            runtime_bytes=self.runtime_bytes,
             activation_bytes=self.activation_bytes_per_sample * candidate.micro_batch,
             compute_s=flops / self.flops_per_s + self.micro_step_s * candidate.grad_accum,
             comm_s=self.comm_s(candidate),
@@ -228,8 +242,8 @@ class Planner:
 
         Compute time (step less estimated communication) is fitted by least squares as seconds per
         sample plus, once two micro-batch sizes were measured, seconds per micro-step; the fit keeps
-        both non-negative. Activation bytes per sample: the largest residual over the measurements
-        with a peak memory, so the estimate errs towards more memory.
+        both non-negative. Memory takes the largest figures over the measurements with a peak, so
+        that the estimate errs towards more memory.
         """
         if not measurements:
             raise ValueError("calibrate() needs at least one measurement")
@@ -241,19 +255,28 @@ class Planner:
                 (measured.candidate.samples_per_rank, measured.candidate.grad_accum, compute)
             )
         per_sample, per_micro_step = _fit_non_negative(rows)
-        residuals = [
-            (m.peak_memory_bytes - self.model_states(m.candidate)["device_total"])
-            / m.candidate.micro_batch
-            for m in measurements
-            if m.peak_memory_bytes is not None
-        ]
-        flops = 6 * self.params_per_rank * self.tokens_per_sample / per_sample
-        activation = max([0.0, *residuals]) if residuals else self.activation_bytes_per_sample
-        return dataclasses.replace(
+        fitted = dataclasses.replace(
             self,
-            flops_per_s=flops,
+            flops_per_s=6 * self.params_per_rank * self.tokens_per_sample / per_sample,
             micro_step_s=per_micro_step,
-            activation_bytes_per_sample=activation,
+        )
+        with_peak = [m for m in measurements if m.peak_memory_bytes is not None]
+        if not with_peak:
+            return fitted
+        per_sample_bytes, runtime = [0.0], [0.0]
+        split = all(m.activation_bytes is not None for m in with_peak)
+        for measured in with_peak:
+            micro = measured.candidate.micro_batch
+            rest = (
+                measured.peak_memory_bytes - self.model_states(measured.candidate)["device_total"]
+            )
+            if split:
+                per_sample_bytes.append(measured.activation_bytes / micro)
+                runtime.append(rest - measured.activation_bytes)
+            else:
+                per_sample_bytes.append(rest / micro)
+        return dataclasses.replace(
+            fitted, activation_bytes_per_sample=max(per_sample_bytes), runtime_bytes=max(runtime)
         )
 
     def plan(
@@ -277,8 +300,8 @@ class Planner:
                 pruned.append(
                     (
                         estimate,
-                        f"estimated {estimate.memory_bytes / _GIB:.3f} GiB > limit "
-                        f"{memory_limit_bytes / _GIB:.3f} GiB",
+                        f"estimated {format_bytes(estimate.memory_bytes)} > limit "
+                        f"{format_bytes(memory_limit_bytes)}",
                     )
                 )
             else:

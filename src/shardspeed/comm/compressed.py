@@ -19,6 +19,7 @@ uint8. Both go through the counting wrappers of `shardspeed.comm`, so `comm_volu
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -108,7 +109,9 @@ def _signs(positive: torch.Tensor) -> torch.Tensor:
     return positive.to(torch.float32).mul_(2).sub_(1)
 
 
+@functools.cache
 def _bit_weights(device: torch.device) -> torch.Tensor:
+    """The value of each bit of a byte, made once per device (no host copy per call)."""
     return torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=device)
 
 

@@ -8,7 +8,7 @@ reported by key path before anything is built.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
@@ -20,7 +20,9 @@ __all__ = [
     "AdamParams",
     "AdamWParams",
     "LambParams",
+    "OneBitAdamParams",
     "SGDParams",
+    "ZeroOneAdamParams",
     "canonical_optimizer_name",
 ]
 
@@ -207,17 +209,60 @@ class AdagradParams(StrictModel):
         return self
 
 
+class _CompressedAdamParams(StrictModel):
+    """Keys 1-bit Adam and 0/1 Adam share (DeepSpeed's signatures; `max_grad_norm` is applied
+    here where DeepSpeed ignores it; see docs/compression.md)."""
+
+    lr: NonNegFloat = 1e-3
+    bias_correction: bool = True
+    betas: Betas = (0.9, 0.999)
+    eps: PosFloat = 1e-8
+    eps_inside_sqrt: bool = False
+    weight_decay: NonNegFloat = 0.0
+    max_grad_norm: NonNegFloat = 0.0
+    cuda_aware: bool = False
+    # Both mean the engine's torch.distributed group; DeepSpeed's MPI and compressed backends
+    # are not offered.
+    comm_backend_name: Literal["nccl", "gloo"] = "nccl"
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "amsgrad": "the frozen variance of 1-bit and 0/1 Adam has no AMSGrad variant"
+    }
+
+
+class OneBitAdamParams(_CompressedAdamParams):
+    """`OneBitAdam` params: Adam until `freeze_step`, then the variance frozen and the momentum
+    averaged by 1-bit compressed all-reduce with error feedback."""
+
+    freeze_step: Annotated[int, Field(ge=1)] = 100000
+    amsgrad: bool = False
+
+
+class ZeroOneAdamParams(_CompressedAdamParams):
+    """`ZeroOneAdam` params: 0/1 Adam's variance-freezing and local-step schedule."""
+
+    var_freeze_step: Annotated[int, Field(ge=1)] = 100000
+    var_update_scaler: Annotated[int, Field(ge=1)] = 16
+    local_step_scaler: Annotated[int, Field(ge=1)] = 32678
+    local_step_clipper: Annotated[int, Field(ge=1)] = 16
+    amsgrad: bool = False
+
+
 OPTIMIZER_PARAMS: dict[str, type[StrictModel]] = {
     "Adam": AdamParams,
     "AdamW": AdamWParams,
     "Lamb": LambParams,
     "Adagrad": AdagradParams,
     "SGD": SGDParams,
+    "OneBitAdam": OneBitAdamParams,
+    "ZeroOneAdam": ZeroOneAdamParams,
 }
 
 # DeepSpeed lower-cases the type before comparing it with its native optimizer names; any other
 # type is looked up in torch.optim by its exact, case-sensitive name.
-_NATIVE = {name.lower(): name for name in ("Adam", "AdamW", "Lamb", "Adagrad")}
+_NATIVE = {
+    name.lower(): name for name in ("Adam", "AdamW", "Lamb", "Adagrad", "OneBitAdam", "ZeroOneAdam")
+}
 _TORCH_NAMED = frozenset({"SGD"})
 
 

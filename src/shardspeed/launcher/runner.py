@@ -120,6 +120,13 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, bool]]:
         help="start only this node's processes (needs --node_rank); run it on every node",
     )
     add("--ssh_port", type=int, default=None, help="ssh port for remote nodes")
+    add(
+        "--autotuning",
+        choices=("tune", "run"),
+        default=None,
+        help="tune: run short trials of the script over ZeRO stages and batch sizes and write the "
+        "best config to the config's autotuning.results_dir; run: then train with it",
+    )
     return parser, takes_value
 
 
@@ -387,6 +394,11 @@ def run_launches(launches: Sequence[Launch], grace_s: float = 10.0) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardspeed`` command; returns the exit status of the run."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.autotuning:
+        # Deferred: the tuner imports torch, which plain launches avoid.
+        from shardspeed.autotuning.tuner import run_autotuning
+
+        return run_autotuning(args)
     try:
         launches = plan_launches(args, os.environ, os.getcwd())
     except ValueError as error:

@@ -18,6 +18,7 @@ from shardspeed.optim.lr_schedules import (
     WarmupDecayLR,
     WarmupLR,
 )
+from shardspeed.optim.onebit import OneBitAdam, ZeroOneAdam
 
 __all__ = ["build_optimizer", "build_scheduler"]
 
@@ -90,6 +91,9 @@ def _adam(params: AdamParams, param_list: list[Any]) -> torch.optim.Optimizer:
     return optimizer_class(param_list, **kwargs)
 
 
+_COMPRESSED = {"OneBitAdam": OneBitAdam, "ZeroOneAdam": ZeroOneAdam}
+
+
 def build_optimizer(
     name: str, params: StrictModel, model_parameters: Iterable[Any]
 ) -> torch.optim.Optimizer:
@@ -98,7 +102,8 @@ def build_optimizer(
     `Adam`/`AdamW` become `torch.optim.Adam` (L2 decay, only for type Adam with `adam_w_mode: false`)
     or `torch.optim.AdamW`, fused where torch supports it; `torch_adam` keeps DeepSpeed's meaning for
     the keys and defaults it allows, and both paths run torch's implementation. `Lamb` is shardspeed's
-    FusedLamb-equivalent; `SGD` and `Adagrad` are torch's own.
+    FusedLamb-equivalent; `SGD` and `Adagrad` are torch's own; `OneBitAdam` and `ZeroOneAdam`
+    communicate their own (compressed) momentum after their warm-up (optim/onebit.py).
     """
     _check_params("optimizer", name, params, OPTIMIZER_PARAMS)
     param_list = _materialise(model_parameters)
@@ -106,6 +111,8 @@ def build_optimizer(
         return _adam(params, param_list)
     if name == "Lamb":
         return Lamb(param_list, **params.model_dump(exclude={"amsgrad"}))
+    if name in _COMPRESSED:
+        return _COMPRESSED[name](param_list, **params.model_dump())
     optimizer_class = torch.optim.SGD if name == "SGD" else torch.optim.Adagrad
     return optimizer_class(param_list, **params.model_dump())
 

@@ -116,7 +116,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 self._errors[p] = error_buffers(p.numel(), world, p.device)
             compressed_allreduce(tensor, *self._errors[p], group=self.process_group)
         if "exp_avg_mask" in group:
-            tensor.mul_(group["exp_avg_mask"].to(tensor.device))
+            if group["exp_avg_mask"].device != tensor.device:  # moved once, not every step
+                group["exp_avg_mask"] = group["exp_avg_mask"].to(tensor.device)
+            tensor.mul_(group["exp_avg_mask"])
 
     def _reset_errors(self, p: torch.Tensor) -> None:
         for error in self._errors.get(p, ()):

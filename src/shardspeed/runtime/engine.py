@@ -30,6 +30,7 @@ from ..moe.gating import imbalance
 from ..moe.layer import MoE
 from ..monitor import MonitorMaster, NullRecorder, TraceRecorder, merge_gathered, training_events
 from ..optim import build_optimizer, build_scheduler
+from ..optim.onebit import CompressedOptimizer
 from ..precision import build_loss_scaler
 from ..zero import (
     AioOptions,
@@ -195,6 +196,15 @@ class ShardSpeedEngine(nn.Module):
                 f"right for element-wise optimizers; {type(basic).__name__} is not known to be "
                 "one. Set 'zero_allow_untested_optimizer': true if it is (as DeepSpeed asks)"
             )
+        if isinstance(basic, CompressedOptimizer):
+            topo = self.topology
+            if zero.stage > 0 or topo.num_stages > 1 or topo.tp_world_size > 1 or self.moe_layers:
+                raise ConfigError(
+                    f"{type(basic).__name__} compresses the data-parallel gradient exchange "
+                    "itself: it works with ZeRO stage 0 and plain data parallelism only (as in "
+                    "DeepSpeed), not with ZeRO stages 1-3, pipeline, tensor or expert parallelism"
+                )
+            basic.set_process_group(topo.dp_group)
         fp16 = config.fp16
         scaler = (
             build_loss_scaler(
@@ -401,7 +411,10 @@ class ShardSpeedEngine(nn.Module):
                 )
 
     def _reduces_this_micro_step(self) -> bool:
-        return self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        # 1-bit / 0-1 Adam past its warm-up averages its own compressed momentum instead.
+        basic = self.basic_optimizer
+        local = isinstance(basic, CompressedOptimizer) and basic.communicates_gradients()
+        return self.is_gradient_accumulation_boundary() and not self._in_no_sync and not local
 
     def _prepare_micro_step(self) -> None:
         if self.optimizer is not None:

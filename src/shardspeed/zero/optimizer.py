@@ -666,6 +666,10 @@ class ZeroOptimizer:
             ).reshape(1)
         if self._norm_over_dp:
             all_reduce(squares, group=self.dp_group)
+        elif self.dp_world_size > 1 and _communicates_itself(self.optimizer):
+            # Gradients are this rank's own (1-bit Adam past warm-up): agree on the largest
+            # norm, so every rank takes the same overflow and clipping decisions.
+            all_reduce(squares, op=dist.ReduceOp.MAX, group=self.dp_group)
         if self.norm_group is not None:
             all_reduce(squares, group=self.norm_group)
         return squares.sqrt()
@@ -1025,6 +1029,12 @@ def _reduce_scales(reduce: ReduceOptions, world: int) -> tuple[float, float]:
     if reduce.prescale_gradients:
         return 1.0 / world, 1.0
     return 1.0 / reduce.predivide_factor, reduce.predivide_factor / world
+
+
+def _communicates_itself(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer averages its own (compressed) state instead of gradients now."""
+    check = getattr(optimizer, "communicates_gradients", None)
+    return bool(check()) if callable(check) else False
 
 
 def _group_rank_to_global(group: Any, rank: int) -> int:
