@@ -432,7 +432,7 @@ def test_refused_settings(tmp_path: Path) -> None:
 
 def test_candidates_the_loader_refuses_are_not_tried(tmp_path: Path) -> None:
     args = _setup(tmp_path, {}, optimizer={"type": "Lamb", "params": {"lr": 1e-3}})
-    candidates, _ = _tuner(tmp_path, args).candidates()
+    candidates = _tuner(tmp_path, args).candidates()
     assert {c.stage for c in candidates} == {0}  # Lamb runs only at stage 0
 
 

@@ -377,3 +377,29 @@ def test_number_formats_are_deepspeeds():
     assert params_to_string(1.3e9) == "1.3 B"
     assert params_to_string(125e6) == "125 M"
     assert duration_to_string(0.0123) == "12.3 ms"
+
+
+def test_engine_profiles_its_profile_step(tmp_path):
+    """The `flops_profiler` section: the engine profiles step `profile_step` (forward and
+    backward of its first micro-step) and writes the report to `output_file`."""
+    import shardspeed
+
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    out = tmp_path / "flops.txt"
+    engine, *_ = shardspeed.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW"},
+            "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": str(out)},
+        },
+    )
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2, 16))
+        engine.backward(engine(ids, ids))
+        engine.step()
+    report = out.read_text()
+    assert "Profile Summary at step 1" in report
+    assert report.count("Profile Summary") == 1  # one step only
+    assert "bwd flops per GPU (measured)" in report
+    assert engine.flops_profiler is not None and not engine.flops_profiler.started

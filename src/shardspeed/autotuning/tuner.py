@@ -55,7 +55,7 @@ from shardspeed.config.loader import (
     read_config_source,
     validation_problems,
 )
-from shardspeed.config.schema import AutotuningConfig
+from shardspeed.config.schema import AutotuningConfig, ShardSpeedConfig
 from shardspeed.launcher import runner
 from shardspeed.launcher.hostfile import read_hostfile, select_resources
 from shardspeed.launcher.runner import Launch
@@ -454,8 +454,8 @@ class Autotuner:
         value = self.base_config.get(key)
         return None if value == "auto" else value
 
-    def candidates(self) -> tuple[list[Candidate], dict[Candidate, Any]]:
-        """Candidates whose config the loader accepts, with their validated configs; the rest are
+    def candidates(self) -> dict[Candidate, ShardSpeedConfig]:
+        """Candidates whose config the loader accepts, with the validated config; the rest are
         recorded in `pruned` with the loader's reason."""
         section = self.section
         stage = (self.base_config.get("zero_optimization") or {}).get("stage", "all")
@@ -477,7 +477,7 @@ class Autotuner:
             min_train_batch_size=section.min_train_batch_size,
             max_train_batch_size=section.max_train_batch_size,
         )
-        valid: dict[Candidate, Any] = {}
+        valid: dict[Candidate, ShardSpeedConfig] = {}
         for candidate in candidates:
             config = self._config(candidate)
             del config["autotuning"]  # the engine's side of it is validated where it is wired
@@ -492,7 +492,7 @@ class Autotuner:
                 if self.pruned
                 else "no candidate keeps the batch-size constraints"
             )
-        return list(valid), valid
+        return valid
 
     def _config(self, candidate: Candidate) -> dict[str, Any]:
         metric_path = self.exps_dir / candidate.name / METRICS_FILE
@@ -604,7 +604,8 @@ class Autotuner:
     def tune(self) -> Trial:
         """Run the trials; returns the best one (also in `best`). Results are written as it goes."""
         self.results_dir.mkdir(parents=True, exist_ok=True)
-        candidates, validated = self.candidates()
+        validated = self.candidates()
+        candidates = list(validated)
         first = min(candidates, key=lambda c: (-c.stage, c.micro_batch, -c.grad_accum))
         self._say(f"calibration trial {first.name} (the candidate needing the least memory)")
         calibration = self.run_trial(first)
@@ -652,9 +653,9 @@ class Autotuner:
             self._say(
                 f"early stop: {without_gain} trials in a row did not beat {self.best.candidate.name}"
             )
-        self._say(
-            f"best: {self.best.candidate.name} ({self._metric_text(self.best)}); see {self.results_dir / SUMMARY_FILE}"
-        )
+        best = self.best
+        self._say(f"best: {best.candidate.name} ({self._metric_text(best)})")
+        self._say(f"summary: {self.results_dir / SUMMARY_FILE}")
         return self.best
 
     def _rerank(self, queue: list[Candidate]) -> list[Candidate]:

@@ -32,6 +32,7 @@ from ..monitor import MonitorMaster, NullRecorder, TraceRecorder, merge_gathered
 from ..optim import build_optimizer, build_scheduler
 from ..optim.onebit import CompressedOptimizer
 from ..precision import build_loss_scaler
+from ..profiling.flops_profiler import FlopsProfiler
 from ..zero import (
     AioOptions,
     ExpertParameters,
@@ -93,6 +94,13 @@ class ShardSpeedEngine(nn.Module):
         self.tracer: TraceRecorder | NullRecorder = NullRecorder()
         self.comms_logger = configure_comms_logger(config.comms_logger)
         self.comm_summary: dict[str, Any] = {}  # the last step's collectives, when logging
+        # The flops profiler measures one step (`profile_step`) on rank 0, as DeepSpeed does.
+        profiling = config.flops_profiler
+        self.flops_profiler = (
+            FlopsProfiler(model, self, profiling.recompute_fwd_factor)
+            if profiling.enabled and topology.rank == 0
+            else None
+        )
         self._window_loss: torch.Tensor | None = None
         self._last_step_clock: float | None = None
 
@@ -343,6 +351,13 @@ class ShardSpeedEngine(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._prepare_micro_step()
+        profiler = self.flops_profiler
+        if (
+            profiler is not None
+            and not profiler.started
+            and self.global_steps == self.config.flops_profiler.profile_step
+        ):
+            profiler.start_profile()
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), torch.float16)
         if self.optimizer is not None and self.optimizer.sharded_params is not None:
@@ -368,6 +383,9 @@ class ShardSpeedEngine(nn.Module):
             (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             with self._timed("reduce"):
                 self.optimizer.finish_reduction()  # a no-op on micro-steps that do not reduce
+        profiler = self.flops_profiler
+        if profiler is not None and profiler.started:
+            profiler.stop_profile()  # the profiled micro-step's forward and backward (idempotent)
         if self.monitor.enabled:  # the window's mean loss, kept on the device until the step
             part = loss.detach().float()
             self._window_loss = part if self._window_loss is None else self._window_loss + part
@@ -398,6 +416,16 @@ class ShardSpeedEngine(nn.Module):
         self.global_samples += self.train_batch_size()
         if self.comms_logger.enabled:
             self.comm_summary = self.comms_logger.step_summary()
+        if self.flops_profiler is not None and self.flops_profiler.started:
+            section = self.config.flops_profiler
+            self.flops_profiler.print_model_profile(
+                profile_step=section.profile_step,
+                module_depth=section.module_depth,
+                top_modules=section.top_modules,
+                detailed=section.detailed,
+                output_file=section.output_file,
+            )
+            self.flops_profiler.end_profile()
         self._report()
         self._write_monitor()
         if self.global_steps == 1:
@@ -543,6 +571,10 @@ class ShardSpeedEngine(nn.Module):
     @property
     def dp_world_size(self) -> int:
         return self.topology.dp_world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return self.topology.tp_world_size
 
     @property
     def local_rank(self) -> int:
