@@ -463,3 +463,58 @@ def test_bandwidth_probe_on_two_processes(tmp_path: Path, monkeypatch: pytest.Mo
         args, lambda a: runner.plan_launches(a, os.environ, str(tmp_path)), tmp_path, 60.0
     )
     assert bandwidth > 0
+
+
+REAL_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {examples!r})
+from gpt import GPT, GPTConfig
+import shardspeed
+args = sys.argv[1:]
+config = args[args.index("--deepspeed_config") + 1]
+torch.manual_seed(0)
+shardspeed.init_distributed()
+model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16))
+engine, *_ = shardspeed.initialize(model=model, config=config)
+micro = engine.train_micro_batch_size_per_gpu()
+while engine.global_steps < 10:
+    x = torch.randint(0, 256, (micro, 16))
+    engine.backward(engine(x, torch.roll(x, -1, dims=1)))
+    engine.step()
+"""
+
+
+def test_the_engine_measures_trials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real training script: the engine times steps 2-3, writes the metric file, stops early;
+    the tuner reads it (throughput, activations, peak memory) and picks the best it measured."""
+    monkeypatch.setattr(runner, "DEFAULT_HOSTFILE", str(tmp_path / "no-hostfile"))
+    monkeypatch.chdir(tmp_path)
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    (tmp_path / "train.py").write_text(REAL_SCRIPT.format(examples=examples))
+    config = {
+        "train_batch_size": 8,
+        "optimizer": {"type": "AdamW"},
+        "autotuning": {
+            "enabled": True,
+            "start_profile_step": 2,
+            "end_profile_step": 3,
+            "tuner_num_trials": 2,
+            "num_tuning_micro_batch_sizes": 1,
+        },
+    }
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    argv = ["--num_gpus", "1", "--autotuning", "tune", "train.py", "--deepspeed_config", "ds.json"]
+    assert runner.main(argv) == 0
+    summary = json.loads((tmp_path / "autotuning_results" / "summary.json").read_text())
+    measured = [t for t in summary["trials"] if t["status"] == "ok"]
+    assert len(measured) == 2
+    for trial in measured:
+        metrics = json.loads(
+            (tmp_path / "autotuning_exps" / trial["name"] / "metrics.json").read_text()
+        )
+        assert metrics["throughput"] > 0 and metrics["step_time_s"] > 0
+        assert metrics["activation_memory_bytes"] > 0 and metrics["num_params"] > 0
+        assert trial["measured_throughput"] == pytest.approx(metrics["throughput"])
+    best = max(measured, key=lambda t: t["measured_throughput"])
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    assert optimal["train_micro_batch_size_per_gpu"] == best["micro_batch"]

@@ -612,7 +612,6 @@ class ShardSpeedConfig(StrictModel):
         "data_parallel_size": ISSUE_TP,
         "seq_parallel_communication_data_type": NOT_PLANNED,
         "vocabulary_size": NOT_PLANNED,
-        "autotuning": ISSUE_TOOLS,
         "data_efficiency": NOT_PLANNED,
         "torch_autocast": NOT_PLANNED,
         "data_types": NOT_PLANNED,

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .. import checkpointing
+from ..autotuning.metric import AutotuningMeter
 from ..checkpoint import load_engine, save_engine
 from ..checkpoint.values import all_gather_json
 from ..comm import Topology, all_reduce, barrier, configure_comms_logger, get_local_rank
@@ -99,6 +100,19 @@ class ShardSpeedEngine(nn.Module):
         self.flops_profiler = (
             FlopsProfiler(model, self, profiling.recompute_fwd_factor)
             if profiling.enabled and topology.rank == 0
+            else None
+        )
+        # An autotuning trial (`shardspeed --autotuning`): measure, write the metric file, stop.
+        tuning = config.autotuning
+        self.autotuning_meter = (
+            AutotuningMeter(
+                tuning.metric_path,
+                tuning.start_profile_step,
+                tuning.end_profile_step,
+                config.train_batch_size,
+                topology.tp_world_size * topology.num_stages,
+            )
+            if tuning.enabled and tuning.metric_path
             else None
         )
         self._window_loss: torch.Tensor | None = None
@@ -362,8 +376,12 @@ class ShardSpeedEngine(nn.Module):
             args, kwargs = _cast_floating((args, kwargs), torch.float16)
         if self.optimizer is not None and self.optimizer.sharded_params is not None:
             self.optimizer.sharded_params.begin_pass(torch.is_grad_enabled())
+        meter = self.autotuning_meter
         with self._timed("forward"):
-            return self.module(*args, **kwargs)
+            if meter is None:
+                return self.module(*args, **kwargs)
+            with meter.forward(self.global_steps, {id(p) for p in self.module.parameters()}):
+                return self.module(*args, **kwargs)
 
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
@@ -428,6 +446,8 @@ class ShardSpeedEngine(nn.Module):
             self.flops_profiler.end_profile()
         self._report()
         self._write_monitor()
+        if self.autotuning_meter is not None:
+            self.autotuning_meter.after_step(self.global_steps, self.module)
         if self.global_steps == 1:
             sizes = ", ".join(f"{k} {_size(v)}" for k, v in self.memory_breakdown().items())
             logger.info("model state held per rank after the first step: %s", sizes)
