@@ -22,7 +22,10 @@ ISSUE_TP = "issue 8 (tensor parallelism, activation checkpointing)"
 INFERENCE_ONLY = (
     "an inference setting; for serving give it to shardspeed.init_inference (docs/inference.md)"
 )
-ISSUE_TOOLS = "issue 11 (profiling, monitoring, autotuning, compression)"
+ZERO_PLUS_PLUS = (
+    "ZeRO++'s quantized and hierarchical communication is not built; "
+    "'communication_data_type' and OneBitAdam compress communication instead"
+)
 NOT_PLANNED = "no planned issue yet"
 
 
@@ -499,13 +502,13 @@ class ZeroConfig(StrictModel):
         ),
         "zenflow": ISSUE_OFFLOAD,
         "save_muon_momentum_buffer_in_memory": NOT_PLANNED,
-        "zero_quantized_gradients": ISSUE_TOOLS,
+        "zero_quantized_gradients": ZERO_PLUS_PLUS,
         "stage3_module_granularity_threshold": (
             f"{NOT_PLANNED}; choose stage 3 gather units with 'zero_optimization.leaf_module'"
         ),
-        "zero_hpz_partition_size": ISSUE_TOOLS,
-        "zero_quantized_weights": ISSUE_TOOLS,
-        "zero_quantized_nontrainable_weights": ISSUE_TOOLS,
+        "zero_hpz_partition_size": ZERO_PLUS_PLUS,
+        "zero_quantized_weights": ZERO_PLUS_PLUS,
+        "zero_quantized_nontrainable_weights": ZERO_PLUS_PLUS,
         **{
             name: NOT_PLANNED
             for name in (
@@ -604,8 +607,6 @@ class ShardSpeedConfig(StrictModel):
     not_supported_until: ClassVar[dict[str, str]] = {
         "managed_gradient_accumulation": NOT_PLANNED,
         "zero_force_ds_cpu_optimizer": ISSUE_OFFLOAD,
-        "memory_breakdown": ISSUE_TOOLS,
-        "dump_state": ISSUE_TOOLS,
         "disable_python_gc": NOT_PLANNED,
         "log_level": NOT_PLANNED,
         "sequence_parallel_size": NOT_PLANNED,
@@ -615,11 +616,11 @@ class ShardSpeedConfig(StrictModel):
         "data_efficiency": NOT_PLANNED,
         "torch_autocast": NOT_PLANNED,
         "data_types": NOT_PLANNED,
-        "comet": ISSUE_TOOLS,
+        "comet": f"{NOT_PLANNED}: use csv_monitor, tensorboard or wandb",
         "compile": NOT_PLANNED,
         "expert_parallel": NOT_PLANNED + " (DeepSpeed's AutoEP, which converts Hugging Face MoE "
         "blocks; build the model with shardspeed.moe.layer.MoE instead)",
-        "timers": ISSUE_TOOLS,
+        "timers": f"{NOT_PLANNED}: use wall_clock_breakdown, the monitors and engine traces",
         "weight_quantization": NOT_PLANNED,
         "datastates": NOT_PLANNED,
     }

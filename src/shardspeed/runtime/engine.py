@@ -140,6 +140,16 @@ class ShardSpeedEngine(nn.Module):
             checkpointing.configure_from_config(config.activation_checkpointing, topology)
             self._checkpoint_calls = checkpointing.calls()
         self._prepare_micro_step()
+        if config.dump_state and topology.rank == 0:
+            logger.info("engine state: %s", self._state_summary())
+
+    def _state_summary(self) -> str:
+        """DeepSpeed's `dump_state`: the resolved config and how the engine is laid out."""
+        return (
+            f"config={self.config.model_dump(exclude_defaults=True)}, topology={self.topology}, "
+            f"optimizer={self.optimizer!r}, scheduler={type(self.lr_scheduler).__name__}, "
+            f"moe_layers={sorted(self.moe_layers)}, memory={self.memory_breakdown()}"
+        )
 
     # -- construction -------------------------------------------------------------------------
 
@@ -524,6 +534,9 @@ class ShardSpeedEngine(nn.Module):
         if loads:
             line += f", moe_imbalance_max={max(loads):.2f}"
         logger.info(line)
+        if self.config.memory_breakdown:
+            sizes = ", ".join(f"{k} {_size(v)}" for k, v in self.memory_breakdown().items())
+            logger.info("memory held: %s", sizes)
         if self._timers:
             times = " | ".join(f"{k}: {v * 1000 / every:.2f} ms" for k, v in self._timers.items())
             logger.info("time per step (mean of %d): %s", every, times)
