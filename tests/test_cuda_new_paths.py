@@ -1,0 +1,153 @@
+"""The code paths of issues 9-11 on one CUDA device: the MoE layer, block-cache generation, the
+hybrid engine, int8 inference, the flops profiler and the comms logger. Marked `cuda`, skipped
+without a device; world size 1 (NCCL), so multi-rank paths stay with the gloo tests."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardspeed
+from shardspeed.comm import free_port
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from gpt import GPT, GPTConfig  # noqa: E402
+
+SMALL = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        if dist.is_initialized() and dist.get_backend() != "nccl":
+            dist.destroy_process_group()
+        owned = not dist.is_initialized()
+        shardspeed.init_distributed(dist_backend="nccl")
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(precision)
+            if owned and dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def test_moe_layer_on_cuda_equals_cpu():
+    from shardspeed.moe.layer import MoE
+
+    torch.manual_seed(0)
+    expert = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    layer = MoE(16, expert, num_experts=4, k=2, use_rts=False, top2_2nd_expert_sampling=False)
+    x = torch.randn(3, 8, 16)
+    out_cpu, aux_cpu, counts_cpu = layer(x)
+    out_cpu.sum().backward()
+    grads_cpu = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    layer.cuda()
+    out, aux, counts = layer(x.cuda())
+    out.sum().backward()
+    torch.testing.assert_close(out.cpu(), out_cpu, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux.cpu(), aux_cpu, rtol=1e-5, atol=1e-6)
+    assert torch.equal(counts.cpu(), counts_cpu)
+    for g, ref in zip((p.grad for p in layer.parameters()), grads_cpu):
+        torch.testing.assert_close(g.cpu(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_block_cache_generation_on_cuda_equals_the_models_own():
+    from shardspeed.inference import SamplingParams, generate
+
+    torch.manual_seed(1)
+    model = GPT(SMALL).cuda().eval()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    ours = generate(model, prompts, SamplingParams(max_new_tokens=8))
+    for prompt, tokens in zip(prompts, ours):
+        own = model.generate(torch.tensor([prompt], device="cuda"), 8, temperature=0.0)
+        assert tokens == own[0, len(prompt) :].tolist()
+
+
+def test_hybrid_engine_on_cuda_generates_like_the_plain_model():
+    from shardspeed.inference import SamplingParams
+
+    torch.manual_seed(2)
+    model = GPT(SMALL)
+    engine, *_ = shardspeed.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW"},
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3},
+            "hybrid_engine": {"enabled": True},
+        },
+    )
+    ids = torch.randint(0, 64, (2, 16), device="cuda")
+    engine.backward(engine(ids, ids))
+    engine.step()
+    engine.eval()
+    tokens = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=6))
+    engine.train()
+    plain = GPT(SMALL).cuda().to(torch.bfloat16).eval()
+    plain.load_state_dict(engine.consolidated_state_dict())
+    own = plain.generate(torch.tensor([[1, 2, 3]], device="cuda"), 6, temperature=0.0)
+    assert tokens[0] == own[0, 3:].tolist()
+
+
+def test_int8_inference_on_cuda_tracks_fp32():
+    from shardspeed.inference import init_inference
+
+    torch.manual_seed(3)
+    model = GPT(SMALL).cuda().eval()
+    ids = torch.randint(0, 64, (2, 16), device="cuda")
+    with torch.no_grad():
+        reference = model(ids)
+    engine = init_inference(copy.deepcopy(model), dtype=torch.int8)
+    with torch.no_grad():
+        logits = engine(ids)
+    # Weight-only int8 per output channel: a few percent of the logits' norm at most.
+    assert ((logits - reference).norm() / reference.norm()).item() < 0.05
+
+
+def test_flops_profiler_on_cuda_counts_as_on_cpu():
+    from shardspeed.profiling.flops_profiler import get_model_profile
+
+    torch.manual_seed(4)
+    model = GPT(SMALL)
+    ids = torch.randint(0, 64, (2, 16))
+    cpu = get_model_profile(model, args=[ids], print_profile=False, as_string=False)
+    gpu = get_model_profile(model.cuda(), args=[ids.cuda()], print_profile=False, as_string=False)
+    assert gpu[0] == cpu[0] and gpu[2] == cpu[2]
+
+
+def test_comms_logger_on_cuda_records_nccl_collectives():
+    from shardspeed import comm
+    from shardspeed.config.schema import CommsLoggerConfig
+
+    logger = comm.configure_comms_logger(CommsLoggerConfig(enabled=True))
+    try:
+        tensor = torch.ones(1024, device="cuda")
+        comm.all_reduce(tensor)
+        summary = logger.step_summary()
+        assert summary["all_reduce"]["bytes"] == 4096 and summary["all_reduce"]["latency_ms"] > 0
+    finally:
+        comm.configure_comms_logger(CommsLoggerConfig(enabled=False))
