@@ -38,13 +38,19 @@ class AutotuningMeter:
     """Step timing and memory for one autotuning trial (see the module docstring)."""
 
     def __init__(
-        self, metric_path: str, start: int, end: int, train_batch_size: int, mp_size: int
+        self,
+        metric_path: str,
+        start: int,
+        end: int,
+        train_batch_size: int,
+        mp_size: int,
+        device: torch.device,
     ) -> None:
         self.metric_path = metric_path
         self.start, self.end = start, end
         self.train_batch_size = train_batch_size
         self.mp_size = mp_size
-        self.cuda = torch.cuda.is_available()
+        self.cuda = device.type == "cuda"
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         self.baseline_rss = _current_rss_bytes()

@@ -111,6 +111,7 @@ class ShardSpeedEngine(nn.Module):
                 tuning.end_profile_step,
                 config.train_batch_size,
                 topology.tp_world_size * topology.num_stages,
+                self.device,
             )
             if tuning.enabled and tuning.metric_path
             else None
@@ -933,7 +934,10 @@ _TRACE_CATEGORIES = {"reduce": "communication", "step": "optimizer"}
 
 
 def _device() -> torch.device:
-    if torch.cuda.is_available():
+    """The local GPU when there is one and the process group can carry CUDA tensors (NCCL);
+    a gloo group (a CPU job, or the CPU test harness on a GPU machine) trains on the CPU."""
+    gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
+    if torch.cuda.is_available() and not gloo:
         return torch.device("cuda", get_local_rank())
     return torch.device("cpu")
 

@@ -194,7 +194,9 @@ class SwappedShard:
         return buffer
 
     def write_async(self, r: int, values: torch.Tensor) -> Any:
-        return self.swapper.write(self.key(r), values.detach().contiguous())
+        # Files are written from host memory: a device tensor (a gathered unit, the initial
+        # shard built on the GPU) comes over first.
+        return self.swapper.write(self.key(r), values.detach().to("cpu").contiguous())
 
     def write(self, r: int, values: torch.Tensor) -> None:
         self.write_async(r, values).result()
