@@ -245,9 +245,13 @@ def test_zero_stage0_engine_contract(pool2):
     first, second = pool2.run(_engine_steps, FREEZE + 10)
     assert torch.equal(first["w"], second["w"])
     assert first["losses"][-1] < first["losses"][0] / 100
-    # Warm-up: the reducer all-reduces the gradient bucket; after it, only the 1-bit phases.
+    # Warm-up: the reducer all-reduces the gradient bucket.
     assert set(first["volumes"][FREEZE - 1]) == {"all_reduce"}
-    assert set(first["volumes"][FREEZE]) == {"all_to_all", "all_gather"}
+    # After it: the 1-bit phases, and the 4-byte MAX all-reduce that makes the ranks agree on
+    # the norm of their local gradients.
+    after = first["volumes"][FREEZE]
+    assert set(after) == {"all_to_all", "all_gather", "all_reduce"}
+    assert after["all_reduce"] == {"calls": 1, "bytes": 4}
 
 
 def test_warm_up_is_adam():
