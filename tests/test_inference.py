@@ -350,3 +350,16 @@ def test_int8_tensor_parallel_generation(pool2):
     for tokens in pool2.run(int8_generate_tp2):
         assert isinstance(tokens, torch.Tensor), tokens
         assert tokens.shape == (2, 6 + NEW)
+
+
+def test_int8_gpt2_conv1d_generates():
+    """GPT-2's Conv1D weights are stored [in, out]: the int8 copy of the transpose must be laid
+    out for the int8 kernel (it refused a non-contiguous one)."""
+    prompt = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference = build("gpt2").eval()(prompt).logits
+        engine = init_inference(build("gpt2"), dtype="int8")
+        logits = engine(prompt).logits
+        out = engine.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert ((logits - reference).norm() / reference.norm()).item() < INT8_REL_ERROR
+    assert out.shape == (1, 12)

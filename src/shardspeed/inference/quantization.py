@@ -140,7 +140,7 @@ class QuantizedLinear(nn.Module):
         """The int8 version of nn.Linear, Conv1D, ColumnParallelLinear or RowParallelLinear."""
         # Conv1D (and split layers built from one) store the weight [in, out].
         transposed = getattr(layer, "transposed", False) or type(layer).__name__ == "Conv1D"
-        weight = layer.weight.t() if transposed else layer.weight
+        weight = (layer.weight.t() if transposed else layer.weight).contiguous()
         if isinstance(layer, ColumnParallelLinear):
             return cls(
                 weight,
