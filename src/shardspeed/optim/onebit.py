@@ -78,7 +78,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.cuda_aware = cuda_aware
         self.comm_backend_name = comm_backend_name
         self.process_group: Any = None
-        self._errors: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Error feedback buffers, per parameter (0/1 Adam) or per param group (1-bit Adam).
+        self._errors: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def set_process_group(self, group: Any) -> None:
         """Average over `group` (the data-parallel group; None is the default group)."""
@@ -119,6 +120,26 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if group["exp_avg_mask"].device != tensor.device:  # moved once, not every step
                 group["exp_avg_mask"] = group["exp_avg_mask"].to(tensor.device)
             tensor.mul_(group["exp_avg_mask"])
+
+    def _average_group(
+        self, index: int, tensors: list[torch.Tensor], group: dict[str, Any]
+    ) -> None:
+        """Average a param group's tensors in place as one flat 1-bit exchange, with the group's
+        error feedback; `exp_avg_mask` applies per tensor as in `_average`."""
+        world = self._world_size()
+        if world > 1:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            key = ("group", index)
+            if key not in self._errors:
+                self._errors[key] = error_buffers(flat.numel(), world, flat.device)
+            compressed_allreduce(flat, *self._errors[key], group=self.process_group)
+            for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+                t.copy_(piece.view_as(t))
+        if "exp_avg_mask" in group:
+            if group["exp_avg_mask"].device != tensors[0].device:
+                group["exp_avg_mask"] = group["exp_avg_mask"].to(tensors[0].device)
+            for t in tensors:
+                t.mul_(group["exp_avg_mask"])
 
     def _reset_errors(self, p: torch.Tensor) -> None:
         for error in self._errors.get(p, ()):
@@ -217,8 +238,9 @@ class OneBitAdam(CompressedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         compressing = self.communicates_gradients()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
+            updates = []
             for p, grad in self._gradients(group):
                 state = self.state[p]
                 if not state:
@@ -226,13 +248,16 @@ class OneBitAdam(CompressedOptimizer):
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
-                step = int(state["step"])
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-                if compressing:
-                    self._average(p, m, group)
-                else:
+                if not compressing:
                     v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+                updates.append((p, m, v, int(state["step"])))
+            if compressing and updates:
+                # The whole group's momentum in one 1-bit exchange (as DeepSpeed flattens it):
+                # two collectives a step, not two per parameter.
+                self._average_group(index, [m for _, m, _, _ in updates], group)
+            for p, m, v, step in updates:
                 denom = self._denominator(v, group, min(step, self.freeze_step))
                 if group["weight_decay"]:
                     p.mul_(1.0 - group["lr"] * group["weight_decay"])
