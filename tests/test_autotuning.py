@@ -30,6 +30,7 @@ from shardspeed.autotuning.tuner import (
     config_path,
     measure_bandwidth,
     parse_bytes,
+    probe,
     trial_config,
     with_config,
 )
@@ -62,6 +63,8 @@ if not tuning.get("metric_path"):
 mode = os.environ.get("FAKE_MODE", "")
 if mode == "hang":
     time.sleep(60)
+if mode == "oom" and micro >= 8:
+    sys.exit("out of memory")
 step = steps * (0.004 + 0.001 * micro + 0.003 * max(micro - 4, 0)) + 0.001 * stage
 metrics = {
     "throughput": config["train_batch_size"] / step,
@@ -127,12 +130,14 @@ def test_calibration_recovers_the_model() -> None:
         num_params=P,
         dp_size=4,
         bandwidth=1e9,
+        optimizer_s_per_param=2e-9,
         flops_per_s=2e12,
-        micro_step_s=0.01,
+        micro_step_s={1: 0.01, 2: 0.03},
         activation_bytes_per_sample=5e6,
         runtime_bytes=3e6,
     )
-    one, two = _candidate(1, micro=2, steps=4), _candidate(2, micro=8, steps=1)
+    one, two = _candidate(1, micro=2, steps=4), _candidate(1, micro=8, steps=1)
+    three = _candidate(2, micro=4, steps=2)
     measured = [
         Measurement(
             c,
@@ -140,16 +145,27 @@ def test_calibration_recovers_the_model() -> None:
             truth.estimate(c).memory_bytes,
             activation_bytes=5e6 * c.micro_batch,
         )
-        for c in (one, two)
+        for c in (one, two, three)
     ]
-    fitted = Planner(num_params=P, dp_size=4, bandwidth=1e9).calibrate(measured)
+    untrained = Planner(num_params=P, dp_size=4, bandwidth=1e9, optimizer_s_per_param=2e-9)
+    fitted = untrained.calibrate(measured)
     assert fitted.flops_per_s == pytest.approx(2e12)
-    assert fitted.micro_step_s == pytest.approx(0.01)
+    assert fitted.micro_step_s == pytest.approx({1: 0.01, 2: 0.03})
     assert fitted.activation_bytes_per_sample == pytest.approx(5e6)
     assert fitted.runtime_bytes == pytest.approx(3e6)
+    # Two micro-batch sizes at one stage separate the per-micro-step from the per-sample time;
+    # stages not measured take the nearest measured stage's.
+    pair = untrained.calibrate(measured[:2])
+    assert pair.flops_per_s == pytest.approx(2e12)
+    assert pair.micro_step_s == pytest.approx({1: 0.01})
+    for stage in (0, 3):
+        candidate = _candidate(stage, micro=4, steps=2)
+        assert pair.micro_step_time(stage) == pytest.approx(0.01)
+        expected = truth.estimate(candidate).step_time_s + (0.01 - truth.micro_step_time(stage)) * 2
+        assert pair.estimate(candidate).step_time_s == pytest.approx(expected)
     # One measurement: all compute is per sample, exact at the calibration point.
-    single = Planner(num_params=P, dp_size=4, bandwidth=1e9).calibrate(measured[:1])
-    assert single.micro_step_s == 0
+    single = untrained.calibrate(measured[:1])
+    assert single.micro_step_s == {1: 0}
     assert single.estimate(one).step_time_s == pytest.approx(measured[0].step_time_s)
     assert single.estimate(one).memory_bytes == pytest.approx(measured[0].peak_memory_bytes)
     # Without the activations measured, all that is not model states is charged per sample.
@@ -158,6 +174,63 @@ def test_calibration_recovers_the_model() -> None:
     assert conservative.runtime_bytes == 0
     assert conservative.activation_bytes_per_sample == pytest.approx(5e6 + 3e6 / 2)
     assert conservative.estimate(two).memory_bytes > truth.estimate(two).memory_bytes
+
+
+def test_memory_is_fitted_over_micro_batch_sizes() -> None:
+    planner = Planner(num_params=P, dp_size=4, bandwidth=1e9)
+    states = planner.model_states(_candidate(3))["device_total"]
+
+    def measured(micro: int, rest: float, activations: float) -> Measurement:
+        return Measurement(_candidate(3, micro=micro), 1.0, states + rest, activations)
+
+    # Activations with a fixed part (3 MB here) make the one-size split overestimate larger
+    # micro-batches; two sizes give the slope and the fixed part directly.
+    pair = [measured(1, 10e6 + 3e6 + 4e6, 3e6 + 4e6), measured(16, 10e6 + 3e6 + 64e6, 3e6 + 64e6)]
+    one = planner.calibrate(pair[:1])
+    assert one.activation_bytes_per_sample == pytest.approx(7e6)
+    two = planner.calibrate(pair)
+    assert two.activation_bytes_per_sample == pytest.approx(4e6)
+    assert two.runtime_bytes == pytest.approx(13e6)
+    for m in pair:
+        assert two.estimate(m.candidate).memory_bytes == pytest.approx(m.peak_memory_bytes)
+    # Noisy peaks: a least-squares slope, the fixed part raised until no measurement is above.
+    noisy = [measured(1, 10e6, 0), measured(4, 12e6, 0), measured(8, 22e6, 0)]
+    fitted = planner.calibrate(noisy)
+    assert fitted.activation_bytes_per_sample > 0
+    estimates = [fitted.estimate(m.candidate).memory_bytes for m in noisy]
+    assert all(e >= m.peak_memory_bytes - 1 for e, m in zip(estimates, noisy))
+    assert min(e - m.peak_memory_bytes for e, m in zip(estimates, noisy)) == pytest.approx(0, abs=1)
+
+
+def test_step_time_terms_by_stage() -> None:
+    planner = Planner(
+        num_params=P,
+        dp_size=4,
+        bandwidth=1e9,
+        optimizer_s_per_param=1e-9,
+        flops_per_s=6e9,  # 1 ms a sample
+        micro_step_s={0: 0.002, 3: 0.005},
+    )
+    # The optimizer updates every parameter at stage 0, a quarter of them when sharded.
+    assert planner.optimizer_s(_candidate(0)) == pytest.approx(1e-3)
+    assert [planner.optimizer_s(_candidate(s)) for s in (1, 2, 3)] == pytest.approx([2.5e-4] * 3)
+    # Per micro-step time: a stage's own, else the nearest stage's (the lower on a tie).
+    assert [planner.micro_step_time(s) for s in range(4)] == [0.002, 0.002, 0.005, 0.005]
+    estimate = planner.estimate(_candidate(2, micro=8, steps=3))
+    assert estimate.compute_s == pytest.approx(3 * (0.005 + 8 * 0.001))
+    assert estimate.optimizer_s == pytest.approx(2.5e-4)
+    assert estimate.comm_s == pytest.approx(planner.comm_bytes(estimate.candidate) / 1e9)
+    assert estimate.step_time_s == pytest.approx(
+        estimate.compute_s + estimate.optimizer_s + estimate.comm_s
+    )
+    # Noise that would make the per-micro-step time negative leaves it at 0.
+    noisy = [
+        Measurement(_candidate(0, micro=1, steps=4), 0.004 + 1e-3),
+        Measurement(_candidate(0, micro=4, steps=1), 0.006 + 1e-3),
+    ]
+    fitted = Planner(num_params=P, dp_size=4, bandwidth=1e30, optimizer_s_per_param=1e-9)
+    fitted = fitted.calibrate(noisy)
+    assert fitted.micro_step_s == {0: 0} and fitted.flops_per_s > 0
 
 
 def test_plan_prunes_over_the_memory_limit_and_ranks_by_throughput() -> None:
@@ -320,15 +393,17 @@ def test_gridsearch_picks_the_best_measured_and_writes_results(tmp_path: Path) -
     )
     tuner = _tuner(tmp_path, args)
     best = tuner.tune()
-    # Calibration on the candidate needing least memory, then the planner's order: it cannot tell
-    # micro-batch sizes apart from one measurement, so the largest that fit come first.
+    # Calibration on the candidate needing least memory and on the largest micro-batch that fits at
+    # its stage, then the planner's order. Its model is linear in the micro-batch, so it ranks the
+    # largest sizes first and misses the fake script's slowdown past micro-batch 4.
     assert _tried(tuner) == [
         "z1_mbs1_gas1",
-        "z0_mbs8_gas1",
         "z1_mbs8_gas1",
+        "z0_mbs8_gas1",
         "z0_mbs4_gas1",
         "z1_mbs4_gas1",
     ]
+    assert [t.calibration for t in tuner.trials] == [True, True, False, False, False]
     measured = {t.candidate.name: t.metrics["throughput"] for t in tuner.trials}
     assert measured["z0_mbs4_gas1"] == pytest.approx(_fake_throughput(0, 4))
     assert best.candidate.name == max(measured, key=measured.get) == "z0_mbs4_gas1"
@@ -346,13 +421,22 @@ def test_gridsearch_picks_the_best_measured_and_writes_results(tmp_path: Path) -
     )
     summary = (results / "summary.txt").read_text()
     assert "z0_mbs4_gas1 *" in summary and "z1_mbs1_gas1 (calibration)" in summary
+    assert "z1_mbs8_gas1 (calibration)" in summary
     assert "mean |estimate error|" in summary
     data = json.loads((results / "summary.json").read_text())
     assert [row["name"] for row in data["trials"]] == _tried(tuner)
     assert data["calibration"]["memory_limit_bytes"] == 76000
-    assert data["trials"][0]["throughput_error"] == pytest.approx(0, abs=1e-9)
-    errors = [abs(row["throughput_error"]) for row in data["trials"][1:]]
+    # Two calibration points, two unknowns at their stage (per micro-step and per sample): exact.
+    for row in data["trials"][:2]:
+        assert row["throughput_error"] == pytest.approx(0, abs=1e-9)
+    assert data["calibration"]["fitted_to_trials"] == 5  # refitted before each trial and at the end
+    errors = [abs(row["throughput_error"]) for row in data["trials"][2:]]
     assert data["mean_abs_throughput_error"] == pytest.approx(sum(errors) / len(errors))
+    # The fake script's stage 0 costs 1 ms less a step: the estimate borrowed stage 1's time.
+    assert data["trials"][2]["throughput_error"] == pytest.approx(320 / (1000 / 3) - 1)
+    # Later estimates come from the planner refitted to the trials before them, stage 0's own
+    # time per micro-step included; the fake script's slowdown past micro-batch 4 stays unmodelled.
+    assert tuner.planner.micro_step_s.keys() == {0, 1}
     # The script's memory is the planner's model exactly: states + 2 kB + measured activations.
     assert all(row["memory_error"] == pytest.approx(0, abs=1e-9) for row in data["trials"])
     trial_dir = tmp_path / "autotuning_exps" / "z0_mbs4_gas1"
@@ -365,11 +449,11 @@ def test_early_stopping_and_trial_limit(tmp_path: Path) -> None:
     args = _setup(tmp_path, {"tuner_early_stopping": 2, "max_train_micro_batch_size_per_gpu": 8})
     tuner = _tuner(tmp_path, args)
     tuner.tune()
-    # z0_mbs4 (3rd after calibration) is the last gain; two trials without one end the search.
+    # z0_mbs4 (2nd after calibration) is the last gain; two trials without one end the search.
     assert _tried(tuner) == [
         "z1_mbs1_gas1",
-        "z0_mbs8_gas1",
         "z1_mbs8_gas1",
+        "z0_mbs8_gas1",
         "z0_mbs4_gas1",
         "z1_mbs4_gas1",
         "z0_mbs2_gas1",
@@ -377,7 +461,11 @@ def test_early_stopping_and_trial_limit(tmp_path: Path) -> None:
     args = _setup(tmp_path, {"tuner_num_trials": 2, "max_train_micro_batch_size_per_gpu": 8})
     limited = _tuner(tmp_path, args)
     limited.tune()
-    assert _tried(limited) == ["z1_mbs1_gas1", "z0_mbs8_gas1"]
+    assert _tried(limited) == ["z1_mbs1_gas1", "z1_mbs8_gas1"]  # both calibration trials
+    args = _setup(tmp_path, {"tuner_num_trials": 1, "max_train_micro_batch_size_per_gpu": 8})
+    single = _tuner(tmp_path, args)
+    single.tune()
+    assert _tried(single) == ["z1_mbs1_gas1"] and single.fitted_to == 1
 
 
 @pytest.mark.parametrize("tuner_type", ["random", "model_based"])
@@ -421,6 +509,19 @@ def test_trials_stop_on_metrics_or_timeout(tmp_path: Path) -> None:
     assert summary["trials"][0]["status"] == "timeout"
 
 
+def test_a_failed_second_calibration_trial_leaves_the_one_point_model(tmp_path: Path) -> None:
+    args = _setup(tmp_path, {"tuner_num_trials": 4, "max_train_micro_batch_size_per_gpu": 8})
+    tuner = _tuner(tmp_path, args, mode="oom")
+    best = tuner.tune()
+    assert [t.status for t in tuner.trials[:2]] == ["ok", "failed (exit 1)"]
+    assert tuner.trials[1].calibration
+    # The next trial was estimated from the first alone, all of it per sample: the same throughput.
+    assert tuner.trials[2].estimate.throughput == pytest.approx(
+        tuner.trials[0].metrics["throughput"]
+    )
+    assert best.ok and best.candidate.micro_batch < 8
+
+
 def test_refused_settings(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="fast"):
         _tuner(tmp_path, _setup(tmp_path, {"fast": False}))
@@ -459,10 +560,10 @@ def test_shardspeed_autotuning_run(
 def test_bandwidth_probe_on_two_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runner, "DEFAULT_HOSTFILE", str(tmp_path / "no-hostfile"))
     args = runner.parse_args(["--num_gpus", "2", "train.py"])
-    bandwidth = measure_bandwidth(
-        args, lambda a: runner.plan_launches(a, os.environ, str(tmp_path)), tmp_path, 60.0
-    )
-    assert bandwidth > 0
+    plan = lambda a: runner.plan_launches(a, os.environ, str(tmp_path))  # noqa: E731
+    assert measure_bandwidth(args, plan, tmp_path, 60.0) > 0
+    measured = probe(args, plan, tmp_path, 60.0, optimizer_params=10_000)
+    assert measured["bus_bandwidth_bytes_per_s"] > 0 and measured["optimizer_s_per_param"] > 0
 
 
 REAL_SCRIPT = """

@@ -1,31 +1,44 @@
 """The autotuner's analytic planner: which ZeRO stage / micro-batch / accumulation settings to try first.
 
 Every measured trial costs a launch, so the planner prunes what cannot fit in memory and ranks the
-rest by an estimated throughput, both from a model calibrated on one measured trial. Per rank, with
-P parameters per model-parallel rank, N data-parallel ranks, f = (N - 1) / N, w bytes per 16-bit or
-fp32 parameter, m the micro-batch, g the accumulation steps and T tokens per sample:
+rest by an estimated throughput, both from a model calibrated on measured trials (two to start
+with: the smallest and the largest micro-batch that fits, at one stage). Per rank, with P parameters
+per model-parallel rank, N data-parallel ranks, f = (N - 1) / N, w bytes per 16-bit or fp32
+parameter, s the ZeRO stage, m the micro-batch, g the accumulation steps and T tokens per sample:
 
 - memory = the ZeRO paper's model states (:func:`shardspeed.zero.estimate.model_state_bytes`, Adam
-  assumed) + r + a * m. When the trial measured its activations (bytes one forward pass keeps),
-  a = activations / m and r (buffers, the runtime) = peak - model states - activations. Without
-  that, r = 0 and a = (peak - model states) / m: what r would be is then charged to every sample,
-  which overestimates the memory of every larger micro-batch, the safe side for pruning.
-- compute = 6 * P * T * m * g / F + o * g, F (FLOP/s) fitted to the measured step time less the
-  estimated communication, o (seconds per micro-step) only once two measurements differ in m.
+  assumed) + r + a * m: a per sample, r (buffers, the runtime) fixed. With peaks measured at two
+  micro-batch sizes, peak - model states is fitted as r + a * m (a by least squares, r the least
+  that leaves no measured peak above the line). With one size: when the trial measured its
+  activations (bytes one forward pass keeps), a = activations / m and r = peak - model states -
+  activations; without that, r = 0 and a = (peak - model states) / m, which charges r to every
+  sample and overestimates every larger micro-batch, the safe side for pruning.
+- step = g * (o_s + m * c) + optimizer + communication, no overlap assumed; throughput =
+  m * g * N / step samples/s.
+- g * (o_s + m * c) is the forward and backward work: c seconds per sample (reported as
+  F = 6 * P * T / c FLOP/s) and o_s seconds per micro-step that do not depend on the micro-batch
+  (Python, kernel launches, hooks; per stage, since stages 2 and 3 do more per micro-step). Both
+  are fitted by least squares, relative to each measured step, to the measured steps less the
+  modelled optimizer and communication: c is shared by all stages, o_s is fitted for each measured
+  stage and a stage not measured yet takes the nearest measured stage's. One measurement cannot
+  separate o from c: then o = 0 and everything is charged per sample, as the first version of this
+  planner did (it underestimates larger micro-batches).
+- optimizer = u * the parameters a rank updates (P at stage 0, P / N at stages 1-3), u the seconds
+  per parameter of one AdamW step, measured by the tuner's probe.
 - communication = bytes per step / B, B the bus bandwidth of a measured all-reduce; ring collectives
   move f * w * P bytes a rank per reduce-scatter or all-gather and twice that per all-reduce: stage 0
   one all-reduce a step; stage 1 a reduce to the owners a step plus the all-gather of the updated
   shards; stage 2 the reduce every micro-step plus the all-gather; stage 3 per micro-step a gather
   for forward, one for backward and the reduce.
-- step = compute + communication (no overlap assumed), throughput = m * g * N / step samples/s.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from shardspeed.zero.estimate import model_state_bytes
 
@@ -84,6 +97,7 @@ class Estimate:
     activation_bytes: float
     compute_s: float
     comm_s: float
+    optimizer_s: float = 0.0
 
     @property
     def memory_bytes(self) -> float:
@@ -91,7 +105,7 @@ class Estimate:
 
     @property
     def step_time_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.compute_s + self.optimizer_s + self.comm_s
 
     @property
     def throughput(self) -> float:
@@ -175,8 +189,9 @@ class Planner:
 
     Built uncalibrated from what the config says; :meth:`calibrate` returns a copy fitted to
     measurements. `bandwidth` (bus bytes/s) is needed only when there is more than one data-parallel
-    rank. `offload_optimizer` / `offload_param` say what the user's config offloads; they count
-    only at the stages that can offload (1-3 and 3).
+    rank; `optimizer_s_per_param` (u) is 0 unless measured. `offload_optimizer` / `offload_param`
+    say what the user's config offloads; they count only at the stages that can offload (1-3 and 3).
+    `micro_step_s` maps a stage to its fitted o_s (see :meth:`micro_step_time`).
     """
 
     num_params: int
@@ -187,8 +202,9 @@ class Planner:
     offload_param: bool = False
     bandwidth: float | None = None
     tokens_per_sample: float = 1.0
+    optimizer_s_per_param: float = 0.0
     flops_per_s: float | None = None
-    micro_step_s: float = 0.0
+    micro_step_s: Mapping[int, float] = field(default_factory=dict)
     activation_bytes_per_sample: float = 0.0
     runtime_bytes: float = 0.0
 
@@ -224,59 +240,96 @@ class Planner:
             )
         return traffic / self.bandwidth
 
+    def optimizer_s(self, candidate: Candidate) -> float:
+        """One optimizer step: u times the parameters this rank updates (all of them at stage 0)."""
+        shards = self.dp_size if candidate.stage >= 1 else 1
+        return self.optimizer_s_per_param * self.params_per_rank / shards
+
+    def micro_step_time(self, stage: int) -> float:
+        """o_s: the fitted seconds per micro-step of `stage`, or else of the nearest fitted stage
+        (the lower one on a tie); 0 before any fit."""
+        if not self.micro_step_s:
+            return 0.0
+        nearest = min(self.micro_step_s, key=lambda fitted: (abs(fitted - stage), fitted))
+        return self.micro_step_s[nearest]
+
     def estimate(self, candidate: Candidate) -> Estimate:
         if self.flops_per_s is None:
             raise ValueError("the planner is not calibrated: call calibrate() with a measurement")
         flops = 6 * self.params_per_rank * self.tokens_per_sample * candidate.samples_per_rank
+        overhead = self.micro_step_time(candidate.stage) * candidate.grad_accum
         return Estimate(
             candidate,
             model_state_bytes=self.model_states(candidate)["device_total"],
             runtime_bytes=self.runtime_bytes,
             activation_bytes=self.activation_bytes_per_sample * candidate.micro_batch,
-            compute_s=flops / self.flops_per_s + self.micro_step_s * candidate.grad_accum,
+            compute_s=flops / self.flops_per_s + overhead,
             comm_s=self.comm_s(candidate),
+            optimizer_s=self.optimizer_s(candidate),
         )
 
     def calibrate(self, measurements: Sequence[Measurement]) -> Planner:
         """A copy fitted to `measurements` (at least one).
 
-        Compute time (step less estimated communication) is fitted by least squares as seconds per
-        sample plus, once two micro-batch sizes were measured, seconds per micro-step; the fit keeps
-        both non-negative. Memory takes the largest figures over the measurements with a peak, so
-        that the estimate errs towards more memory.
+        Forward and backward time (the step less the modelled optimizer and communication) is
+        fitted by non-negative least squares of the relative error as g * (o_s + m * c): c shared,
+        one o_s per measured stage (see the module docstring); what the measurements cannot tell
+        apart is charged per sample. Memory (peak less model states) is fitted as r + a * m once
+        two micro-batch sizes were measured: a by least squares, r the least that leaves no
+        measurement above the line. With one size, a and r come from the measured activations
+        (the largest over the measurements), or else all of it is charged per sample; either way
+        the estimate errs towards more memory.
         """
         if not measurements:
             raise ValueError("calibrate() needs at least one measurement")
+        stages = sorted({measured.candidate.stage for measured in measurements})
         rows = []
         for measured in measurements:
-            compute = measured.step_time_s - self.comm_s(measured.candidate)
-            compute = max(compute, _MIN_COMPUTE_SHARE * measured.step_time_s)
-            rows.append(
-                (measured.candidate.samples_per_rank, measured.candidate.grad_accum, compute)
-            )
-        per_sample, per_micro_step = _fit_non_negative(rows)
+            candidate = measured.candidate
+            work = measured.step_time_s - self.comm_s(candidate) - self.optimizer_s(candidate)
+            work = max(work, _MIN_COMPUTE_SHARE * measured.step_time_s)
+            features = [float(candidate.samples_per_rank)] + [
+                float(candidate.grad_accum if candidate.stage == stage else 0) for stage in stages
+            ]
+            rows.append((features, work, 1 / measured.step_time_s))
+        per_sample, *per_micro_step = _fit_non_negative(rows)
         fitted = dataclasses.replace(
             self,
             flops_per_s=6 * self.params_per_rank * self.tokens_per_sample / per_sample,
-            micro_step_s=per_micro_step,
+            micro_step_s=dict(zip(stages, per_micro_step)),
         )
         with_peak = [m for m in measurements if m.peak_memory_bytes is not None]
         if not with_peak:
             return fitted
-        per_sample_bytes, runtime = [0.0], [0.0]
-        split = all(m.activation_bytes is not None for m in with_peak)
-        for measured in with_peak:
-            micro = measured.candidate.micro_batch
-            rest = (
-                measured.peak_memory_bytes - self.model_states(measured.candidate)["device_total"]
+        rests = [
+            (
+                m.candidate.micro_batch,
+                m.peak_memory_bytes - self.model_states(m.candidate)["device_total"],
             )
+            for m in with_peak
+        ]
+        if len({micro for micro, _ in rests}) > 1:
+            # Two micro-batch sizes tell the per-sample memory from the fixed part directly.
+            rows = [
+                ([float(micro), 1.0], max(rest, 1.0), 1 / max(rest, 1.0)) for micro, rest in rests
+            ]
+            per_sample, _ = _fit_non_negative(rows)
+            runtime = max(0.0, *(rest - per_sample * micro for micro, rest in rests))
+            return dataclasses.replace(
+                fitted, activation_bytes_per_sample=per_sample, runtime_bytes=runtime
+            )
+        per_sample_bytes, runtime_bytes = [0.0], [0.0]
+        split = all(m.activation_bytes is not None for m in with_peak)
+        for measured, (micro, rest) in zip(with_peak, rests):
             if split:
                 per_sample_bytes.append(measured.activation_bytes / micro)
-                runtime.append(rest - measured.activation_bytes)
+                runtime_bytes.append(rest - measured.activation_bytes)
             else:
                 per_sample_bytes.append(rest / micro)
         return dataclasses.replace(
-            fitted, activation_bytes_per_sample=max(per_sample_bytes), runtime_bytes=max(runtime)
+            fitted,
+            activation_bytes_per_sample=max(per_sample_bytes),
+            runtime_bytes=max(runtime_bytes),
         )
 
     def plan(
@@ -329,22 +382,55 @@ class Planner:
         return Plan(ranked, pruned)
 
 
-def _fit_non_negative(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
-    """Least squares y = a * x1 + b * x2 with a > 0 and b >= 0, for rows (x1, x2, y).
+def _fit_non_negative(rows: Sequence[tuple[Sequence[float], float, float]]) -> list[float]:
+    """Weighted least squares y = x . beta with beta[0] > 0 and the rest >= 0, for rows
+    (x, y, weight) with y > 0 and x[0] > 0.
 
-    x1 / x2 (the micro-batch) constant over the rows leaves b unidentifiable: it is then 0.
+    Exact for the few unknowns here: every subset of the unknowns after the first is tried as the
+    free set (the others 0), largest first; the feasible solution with the least residual wins, the
+    larger free set on a tie. A free set the rows cannot determine (one measurement and two
+    unknowns) is skipped, so beta[0] alone, which always fits, is the last resort.
     """
-    s11 = sum(x1 * x1 for x1, _, _ in rows)
-    s22 = sum(x2 * x2 for _, x2, _ in rows)
-    s12 = sum(x1 * x2 for x1, x2, _ in rows)
-    s1y = sum(x1 * y for x1, _, y in rows)
-    s2y = sum(x2 * y for _, x2, y in rows)
-    only_a = (s1y / s11, 0.0)
-    determinant = s11 * s22 - s12 * s12
-    if determinant <= 1e-12 * s11 * s22:
-        return only_a
-    a = (s1y * s22 - s2y * s12) / determinant
-    b = (s2y * s11 - s1y * s12) / determinant
-    if a > 0 and b >= 0:
-        return a, b
-    return only_a
+    width = len(rows[0][0])
+    best: tuple[float, list[float]] | None = None
+    scale = sum((y * weight) ** 2 for _, y, weight in rows)
+    for size in range(width - 1, -1, -1):
+        for chosen in itertools.combinations(range(1, width), size):
+            free = (0, *chosen)
+            solution = _least_squares(
+                [([x[i] * weight for i in free], y * weight) for x, y, weight in rows]
+            )
+            if solution is None or solution[0] <= 0 or min(solution) < 0:
+                continue
+            beta = [0.0] * width
+            for index, value in zip(free, solution):
+                beta[index] = value
+            residual = sum(
+                ((sum(b * v for b, v in zip(beta, x)) - y) * weight) ** 2 for x, y, weight in rows
+            )
+            if best is None or residual < best[0] - 1e-12 * scale:
+                best = (residual, beta)
+    assert best is not None  # the first unknown alone always solves
+    return best[1]
+
+
+def _least_squares(rows: Sequence[tuple[Sequence[float], float]]) -> list[float] | None:
+    """Least squares for rows (x, y) by the normal equations; None when they do not determine it."""
+    width = len(rows[0][0])
+    if len(rows) < width:
+        return None
+    matrix = [
+        [sum(x[i] * x[j] for x, _ in rows) for j in range(width)] + [sum(x[i] * y for x, y in rows)]
+        for i in range(width)
+    ]
+    largest = max(abs(matrix[i][i]) for i in range(width))
+    for column in range(width):
+        pivot = max(range(column, width), key=lambda row: abs(matrix[row][column]))
+        if abs(matrix[pivot][column]) <= 1e-9 * largest:
+            return None
+        matrix[column], matrix[pivot] = matrix[pivot], matrix[column]
+        for row in range(width):
+            if row != column:
+                factor = matrix[row][column] / matrix[column][column]
+                matrix[row] = [a - factor * b for a, b in zip(matrix[row], matrix[column])]
+    return [matrix[i][width] / matrix[i][i] for i in range(width)]

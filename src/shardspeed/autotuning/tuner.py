@@ -2,11 +2,14 @@
 
 Each trial is the user's command with ``--deepspeed_config`` pointing at
 ``exps_dir/<name>/ds_config.json``: the user's config with the trial's ZeRO stage and batch sizes and
-an ``autotuning`` section asking the engine to measure. The first trial (the candidate needing the
-least memory) calibrates the :class:`~shardspeed.autotuning.planner.Planner`, which prunes what would
-not fit and orders the rest; trials then run in that order (``gridsearch``), shuffled (``random``)
-or re-ranked by a planner refitted after every trial (``model_based``), until ``tuner_num_trials``
-trials ran or ``tuner_early_stopping`` trials in a row did not beat the best.
+an ``autotuning`` section asking the engine to measure. Two calibration trials, the candidate needing
+the least memory and then the largest micro-batch estimated to fit at the same stage, calibrate the
+:class:`~shardspeed.autotuning.planner.Planner` (with a probe's bandwidth and optimizer-step time),
+which prunes what would not fit and orders the rest; trials then run in that order
+(``gridsearch``), shuffled (``random``) or re-ranked before each pick (``model_based``), until
+``tuner_num_trials`` trials ran or ``tuner_early_stopping`` trials in a row did not beat the best.
+The planner is refitted to every trial measured so far before each pick, so each trial's estimate
+comes from the trials before it.
 
 The engine's side, when its config has ``autotuning.enabled`` true and ``autotuning.metric_path``
 set (trial configs do; see docs/autotuning.md for the full contract): time optimizer steps
@@ -31,6 +34,7 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import os
 import random
 import re
@@ -370,6 +374,30 @@ def parse_bytes(text: str) -> float:
     return float(match[1]) * _UNITS[match[2]]
 
 
+def probe(
+    args: argparse.Namespace,
+    plan: Callable[[argparse.Namespace], list[Launch]],
+    directory: Path,
+    timeout_s: float,
+    optimizer_params: int = 0,
+) -> dict[str, Any]:
+    """Measure on the job's processes, as the trials run them: the bus bandwidth (bytes/s) of an
+    all-reduce and, with `optimizer_params`, the seconds per parameter of an AdamW step over that
+    many parameters (``bus_bandwidth_bytes_per_s``, ``optimizer_s_per_param`` in the result)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    result_path = directory / "bandwidth.json"
+    result_path.unlink(missing_ok=True)
+    probe_args = copy.copy(args)
+    probe_args.user_script = PROBE_MODULE
+    probe_args.user_args = [PROBE_FLAG, str(result_path), str(int(optimizer_params))]
+    probe_args.module, probe_args.no_python = True, False
+    probe_args.compat, probe_args.no_local_rank = False, True
+    status, result = run_processes(plan(probe_args), directory, result_path, timeout_s, 10.0)
+    if result is None:
+        raise TuningError(f"bandwidth probe {status}: see {directory / 'stderr.log'}")
+    return result
+
+
 def measure_bandwidth(
     args: argparse.Namespace,
     plan: Callable[[argparse.Namespace], list[Launch]],
@@ -377,16 +405,7 @@ def measure_bandwidth(
     timeout_s: float,
 ) -> float:
     """Bus bandwidth (bytes/s) of an all-reduce over the job's processes, as the trials run them."""
-    directory.mkdir(parents=True, exist_ok=True)
-    result_path = directory / "bandwidth.json"
-    result_path.unlink(missing_ok=True)
-    probe = copy.copy(args)
-    probe.user_script, probe.user_args = PROBE_MODULE, [PROBE_FLAG, str(result_path)]
-    probe.module, probe.no_python, probe.compat, probe.no_local_rank = True, False, False, True
-    status, result = run_processes(plan(probe), directory, result_path, timeout_s, 10.0)
-    if result is None:
-        raise TuningError(f"bandwidth probe {status}: see {directory / 'stderr.log'}")
-    return float(result["bus_bandwidth_bytes_per_s"])
+    return float(probe(args, plan, directory, timeout_s)["bus_bandwidth_bytes_per_s"])
 
 
 class Autotuner:
@@ -500,11 +519,12 @@ class Autotuner:
 
     # -- trials ----------------------------------------------------------------------------------
 
-    def run_trial(self, candidate: Candidate, estimate: Estimate | None = None) -> Trial:
+    def run_trial(
+        self, candidate: Candidate, estimate: Estimate | None = None, calibration: bool = False
+    ) -> Trial:
         """Run (or with ``overwrite`` false, reuse) one trial and record it."""
         config = self._config(candidate)
-        trial = Trial(candidate, config, self.exps_dir / candidate.name, estimate)
-        trial.calibration = not self.trials
+        trial = Trial(candidate, config, self.exps_dir / candidate.name, estimate, calibration)
         metric_path = trial.directory / METRICS_FILE
         config_file = trial.directory / CONFIG_FILE
         started = time.monotonic()
@@ -541,7 +561,8 @@ class Autotuner:
         return value if _HIGHER_IS_BETTER[self.section.metric] else -value
 
     def _calibrated_planner(self, trial: Trial, precision: str) -> Planner:
-        """The planner fitted to the calibration trial, with num_params, bandwidth and memory bound."""
+        """The planner fitted to the first calibration trial, with num_params, the probe's bandwidth
+        and optimizer-step time, and the memory bound."""
         metrics = trial.metrics
         info = self.section.model_info
         num_params = info.num_params if info is not None else None
@@ -561,11 +582,18 @@ class Autotuner:
             self.memory_limit_bytes, self.memory_limit_source = local_memory_bytes(
                 self.ranks_per_node
             )
-        bandwidth = None
+        bandwidth, optimizer_s_per_param = None, 0.0
         if self.dp_size > 1:
-            bandwidth = measure_bandwidth(
-                self.args, self._plan, self.exps_dir / "bandwidth_probe", self.trial_timeout_s
+            # Stages differ in their communication and in the parameters each rank updates.
+            measured = probe(
+                self.args,
+                self._plan,
+                self.exps_dir / "bandwidth_probe",
+                self.trial_timeout_s,
+                optimizer_params=math.ceil(int(num_params) / self.section.mp_size),
             )
+            bandwidth = float(measured["bus_bandwidth_bytes_per_s"])
+            optimizer_s_per_param = float(measured.get("optimizer_s_per_param") or 0.0)
         zero = self.base_config.get("zero_optimization") or {}
 
         def offloaded(name: str) -> bool:
@@ -579,6 +607,7 @@ class Autotuner:
             offload_optimizer=offloaded("offload_optimizer"),
             offload_param=offloaded("offload_param"),
             bandwidth=bandwidth,
+            optimizer_s_per_param=optimizer_s_per_param,
             tokens_per_sample=float(metrics.get("tokens_per_sample") or 1.0),
         ).calibrate([self._measurement(trial)])
         if info_path and not os.path.exists(info_path):
@@ -608,7 +637,7 @@ class Autotuner:
         candidates = list(validated)
         first = min(candidates, key=lambda c: (-c.stage, c.micro_batch, -c.grad_accum))
         self._say(f"calibration trial {first.name} (the candidate needing the least memory)")
-        calibration = self.run_trial(first)
+        calibration = self.run_trial(first, calibration=True)
         self._report(calibration)
         if not calibration.ok:
             self._write_results()
@@ -619,9 +648,24 @@ class Autotuner:
         self.best = calibration
         self.planner = self._calibrated_planner(calibration, validated[first].precision)
         self.fitted_to = 1
-        calibration.estimate = self.planner.estimate(first)
+        second = self._second_calibration(first, candidates)
+        if second is not None and self.section.tuner_num_trials > 1:
+            self._say(
+                f"calibration trial {second.name} (the largest micro-batch estimated to fit, to "
+                "separate per-micro-step from per-sample time)"
+            )
+            other = self.run_trial(second, calibration=True)
+            self._report(other)
+            if other.ok and self._score(other) > self._score(self.best):
+                self.best = other
+        calibrated = [trial for trial in self.trials if trial.ok]
+        self.planner = self.planner.calibrate([self._measurement(t) for t in calibrated])
+        self.fitted_to = len(calibrated)
+        for trial in calibrated:
+            trial.estimate = self.planner.estimate(trial.candidate)
+        tried = {trial.candidate for trial in self.trials}
         plan = self.planner.plan(
-            [c for c in candidates if c != first],
+            [c for c in candidates if c not in tried],
             self.memory_limit_bytes,
             per_stage=self.section.num_tuning_micro_batch_sizes,
             metric=self.section.metric,
@@ -637,6 +681,7 @@ class Autotuner:
             and len(self.trials) < self.section.tuner_num_trials
             and without_gain < self.section.tuner_early_stopping
         ):
+            self._refit()
             if self.section.tuner_type == "model_based":
                 queue = self._rerank(queue)
                 if not queue:
@@ -649,6 +694,8 @@ class Autotuner:
             else:
                 without_gain += 1
             self._write_results()
+        self._refit()  # the summary's model: fitted to every trial
+        self._write_results()
         if without_gain >= self.section.tuner_early_stopping and queue:
             self._say(
                 f"early stop: {without_gain} trials in a row did not beat {self.best.candidate.name}"
@@ -658,10 +705,33 @@ class Autotuner:
         self._say(f"summary: {self.results_dir / SUMMARY_FILE}")
         return self.best
 
-    def _rerank(self, queue: list[Candidate]) -> list[Candidate]:
-        """model_based: refit to every successful trial, re-prune by memory and re-order."""
+    def _second_calibration(
+        self, first: Candidate, candidates: Sequence[Candidate]
+    ) -> Candidate | None:
+        """The other end of the micro-batch range: the largest micro-batch the planner fitted to
+        `first` says fits, at `first`'s stage if it has another size, else at the nearest stage."""
+        fitting = [
+            candidate
+            for candidate in candidates
+            if candidate.micro_batch != first.micro_batch
+            and (
+                self.memory_limit_bytes is None
+                or self.planner.estimate(candidate).memory_bytes <= self.memory_limit_bytes
+            )
+        ]
+        if not fitting:
+            return None
+        return min(fitting, key=lambda c: (abs(c.stage - first.stage), -c.micro_batch, -c.stage))
+
+    def _refit(self) -> None:
+        """Fit the planner to every successful trial so far (each estimate is then made from all
+        the trials before it); only ``model_based`` also re-ranks with it."""
         measured = [self._measurement(trial) for trial in self.trials if trial.ok]
-        self.planner, self.fitted_to = self.planner.calibrate(measured), len(measured)
+        if len(measured) > self.fitted_to:
+            self.planner, self.fitted_to = self.planner.calibrate(measured), len(measured)
+
+    def _rerank(self, queue: list[Candidate]) -> list[Candidate]:
+        """model_based: re-prune by memory and re-order with the refitted planner."""
         plan = self.planner.plan(queue, self.memory_limit_bytes, metric=self.section.metric)
         self.pruned += [(estimate.candidate, why) for estimate, why in plan.pruned]
         return [estimate.candidate for estimate in plan.ranked]
@@ -688,7 +758,8 @@ class Autotuner:
         self._say(text)
 
     def mean_abs_error(self) -> tuple[float | None, float | None]:
-        """Mean |relative error| of the estimated throughput and memory, calibration excluded."""
+        """Mean |relative error| of the estimated throughput and memory, calibration trials
+        excluded (the model is fitted to them)."""
         scored = [t for t in self.trials if not t.calibration]
         means = []
         for errors in (
@@ -741,7 +812,8 @@ class Autotuner:
                 "precision": planner.precision,
                 "flops_per_s_per_rank": planner.flops_per_s,
                 "tokens_per_sample": planner.tokens_per_sample,
-                "micro_step_s": planner.micro_step_s,
+                "micro_step_s": {str(k): v for k, v in sorted(planner.micro_step_s.items())},
+                "optimizer_s_per_param": planner.optimizer_s_per_param,
                 "activation_bytes_per_sample": planner.activation_bytes_per_sample,
                 "runtime_bytes": planner.runtime_bytes,
                 "bus_bandwidth_bytes_per_s": planner.bandwidth,
@@ -845,8 +917,18 @@ def _summary_text(
             f"  {calibration['num_params']:,} parameters, {calibration['dp_size']} data-parallel x "
             f"{calibration['mp_size']} model-parallel ranks, {calibration['precision']}",
             f"  compute {_number(calibration['flops_per_s_per_rank'])} FLOP/s per rank (6 x "
-            f"parameters x {calibration['tokens_per_sample']:g} token(s) a sample) + "
-            f"{calibration['micro_step_s']:.4g} s a micro-step",
+            f"parameters x {calibration['tokens_per_sample']:g} token(s) a sample) + per "
+            "micro-step "
+            + (
+                ", ".join(
+                    f"{seconds:.4g} s at stage {stage}"
+                    for stage, seconds in calibration["micro_step_s"].items()
+                )
+                or "0 s"
+            )
+            + " (other stages: the nearest's)",
+            f"  optimizer step {_number(calibration['optimizer_s_per_param'])} s a parameter "
+            "updated",
             f"  activations {_bytes(calibration['activation_bytes_per_sample'])} a sample, "
             f"{_bytes(calibration['runtime_bytes'])} besides model states and activations",
             "  bus bandwidth "
@@ -876,8 +958,9 @@ def run_autotuning(args: argparse.Namespace) -> int:
     return tuner.run_best() if args.autotuning == "run" else 0
 
 
-def _probe_bandwidth(result_path: str) -> None:
-    """Time an all-reduce over every process and write the bus bandwidth (run under torchrun)."""
+def _probe_bandwidth(result_path: str, optimizer_params: int = 0) -> None:
+    """Time an all-reduce over every process and write the bus bandwidth; with `optimizer_params`,
+    also time an AdamW step (run under torchrun)."""
     import torch
     import torch.distributed as dist
 
@@ -902,21 +985,40 @@ def _probe_bandwidth(result_path: str) -> None:
     seconds_per_call(2)  # connections and buffers are set up on first use
     seconds = seconds_per_call(5)
     world = dist.get_world_size()
+    result = {
+        "bus_bandwidth_bytes_per_s": 2 * (world - 1) / world * size / seconds,
+        "bytes": size,
+        "seconds": seconds,
+        "world_size": world,
+    }
+    if optimizer_params > 0:
+        # One flat fp32 tensor, fused where torch has it (as the engine builds AdamW), at most 2**24
+        # elements: the step is memory-bound, so its time per parameter carries over to larger ones.
+        numel = min(optimizer_params, 2**24)
+        param = torch.nn.Parameter(torch.zeros(numel, device=device))
+        param.grad = torch.full_like(param, 1e-3)
+        fused = {"fused": True} if device.type in ("cpu", "cuda") else {}
+        optimizer = torch.optim.AdamW([param], lr=1e-3, **fused)
+        optimizer.step()  # creates the state
+        dist.barrier()  # every rank steps at once, as in training
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
+        result["optimizer_s_per_param"] = (time.perf_counter() - start) / 5 / numel
+        result["optimizer_params_timed"] = numel
     if dist.get_rank() == 0:
-        _write_json(
-            Path(result_path),
-            {
-                "bus_bandwidth_bytes_per_s": 2 * (world - 1) / world * size / seconds,
-                "bytes": size,
-                "seconds": seconds,
-                "world_size": world,
-            },
-        )
+        _write_json(Path(result_path), result)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != PROBE_FLAG:
-        sys.exit(f"usage: python -m {PROBE_MODULE} {PROBE_FLAG} RESULT.json (under torchrun)")
-    _probe_bandwidth(sys.argv[2])
+    if len(sys.argv) not in (3, 4) or sys.argv[1] != PROBE_FLAG:
+        sys.exit(
+            f"usage: python -m {PROBE_MODULE} {PROBE_FLAG} RESULT.json [PARAMETERS] (under torchrun)"
+        )
+    _probe_bandwidth(sys.argv[2], int(sys.argv[3]) if len(sys.argv) == 4 else 0)
