@@ -535,21 +535,71 @@ def plain_notes(summary: dict, loads: dict[str, float | None], max_load: float) 
     return notes
 
 
-def orchestrate(args) -> int:
+def measure_all(args) -> dict:
+    """Tune, then the default/chosen rounds; everything the report needs, also saved as
+    ``results.json`` in the run's temporary directory (see ``--from-results``)."""
     tmp = Path(tempfile.mkdtemp(prefix="bench_autotune_"))
     started = time.perf_counter()
     tuned = run_tuner(args, tmp)
-    summary, run = tuned["summary"], tuned["run"]
-    tuned_dir = tuned["dir"]
-    print(tail(tuned_dir / "tune.log", 6000))
-    replayed = replayed_estimates(summary, tuned_dir)
-    table, errors = trial_table(summary, replayed, tuned["loads"])
-    chosen_path = tuned_dir / "autotuning_results" / "ds_config_optimal.json"
-    chosen_config = json.loads(chosen_path.read_text())
-    configs = {"default": json.loads(DEMO_CONFIG.read_text()), "chosen": chosen_config}
+    print(tail(tuned["dir"] / "tune.log", 6000))
+    chosen_path = tuned["dir"] / "autotuning_results" / "ds_config_optimal.json"
+    configs = {
+        "default": json.loads(DEMO_CONFIG.read_text()),
+        "chosen": json.loads(chosen_path.read_text()),
+    }
     results, discarded = alternate(args, tmp, configs)
-    total = time.perf_counter() - started
+    saved = {
+        "command": " ".join(["python", "benchmarks/bench_autotune.py", *sys.argv[1:]]),
+        "date": datetime.date.today().isoformat(),
+        "args": {
+            k: v
+            for k, v in vars(args).items()
+            if k not in ("write", "write_disturbed", "from_results", "note")
+        },
+        "tmp": str(tmp),
+        "dir": str(tuned["dir"]),
+        "summary": tuned["summary"],
+        "run": tuned["run"],
+        "loads": tuned["loads"],
+        "discarded": tuned["discarded"],
+        "results": results,
+        "rounds_discarded": discarded,
+        "total": time.perf_counter() - started,
+    }
+    (tmp / "results.json").write_text(json.dumps(saved, indent=2) + "\n")
+    return saved
 
+
+def disturbed(saved: dict, args) -> str | None:
+    """Why the kept tuner run is not a fair measurement, or None."""
+    run = saved["run"]
+    if run["foreign_cores"] > args.max_other_load:
+        return f"other processes used {run['foreign_cores']:.2f} cores during the tuner run"
+    if run["calibration_load"] > args.max_window_load:
+        return (
+            f"other processes used {run['calibration_load']:.2f} cores during a calibration "
+            "trial's timed window"
+        )
+    return None
+
+
+def orchestrate(args) -> int:
+    if args.from_results:
+        saved = json.loads(Path(args.from_results).read_text())
+        for key, value in saved["args"].items():
+            setattr(args, key, value)
+    else:
+        saved = measure_all(args)
+    summary, run, results = saved["summary"], saved["run"], saved["results"]
+    tuned = {
+        "summary": summary,
+        "run": run,
+        "dir": Path(saved["dir"]),
+        "loads": saved["loads"],
+        "discarded": saved["discarded"],
+    }
+    replayed = replayed_estimates(summary, tuned["dir"])
+    table, errors = trial_table(summary, replayed, tuned["loads"])
     medians = {k: statistics.median(r["throughput"] for r in v) for k, v in results.items()}
     ratio = medians["chosen"] / medians["default"]
     per_round = [c["throughput"] / d["throughput"] for d, c in zip(*results.values())]
@@ -561,7 +611,6 @@ def orchestrate(args) -> int:
         ),
         None,
     )
-    best = summary["best"]
     print()
     print(table)
     print()
@@ -572,36 +621,36 @@ def orchestrate(args) -> int:
         f"{share(errors['memory'])}"
     )
     print(
-        f"chosen {best}: {medians['chosen']:.1f} samples/s vs default {medians['default']:.1f} "
-        f"(ratio {ratio:.3f}; per round {', '.join(f'{r:.3f}' for r in per_round)})"
+        f"chosen {summary['best']}: {medians['chosen']:.1f} samples/s vs default "
+        f"{medians['default']:.1f} (ratio {ratio:.3f}; per round "
+        f"{', '.join(f'{r:.3f}' for r in per_round)})"
     )
-    print(f"tuner wall time {run['wall_s']:.0f}s; total {total:.0f}s; files in {tmp}")
-
-    saved = {
-        "summary": summary,
-        "run": run,
-        "loads": tuned["loads"],
-        "discarded": tuned["discarded"],
-        "results": results,
-        "rounds_discarded": discarded,
-        "total": total,
-    }
-    (tmp / "results.json").write_text(json.dumps(saved, indent=2, default=str) + "\n")
-    if args.write:
-        write(
-            args,
-            tuned,
-            table,
-            errors,
-            results,
-            medians,
-            ratio,
-            per_round,
-            default_trial,
-            total,
-            discarded,
+    print(
+        f"tuner wall time {run['wall_s']:.0f}s; total {saved['total']:.0f}s; files in "
+        f"{saved['tmp']} (results.json)"
+    )
+    if not args.write:
+        return 0
+    problem = disturbed(saved, args)
+    if problem is not None and not args.write_disturbed:
+        print(
+            f"\nnot writing {BENCH_MD.name}: {problem}. Rerun when the machine is quiet (or pass "
+            "--write-disturbed)."
         )
-        print(f"\nupdated {BENCH_MD}")
+        return 1
+    write(
+        args,
+        tuned,
+        table,
+        errors,
+        results,
+        medians,
+        ratio,
+        per_round,
+        default_trial,
+        saved,
+    )
+    print(f"\nupdated {BENCH_MD}")
     return 0
 
 
@@ -633,12 +682,12 @@ def write(
     ratio: float,
     per_round: list[float],
     default_trial: dict | None,
-    total: float,
-    discarded: list[dict],
+    saved: dict,
 ) -> None:
     summary, run = tuned["summary"], tuned["run"]
+    total, discarded = saved["total"], saved["rounds_discarded"]
     chosen = summary["best"]
-    command = " ".join(["python", "benchmarks/bench_autotune.py", *sys.argv[1:]])
+    command = saved["command"]
     tune_json = json.dumps(tune_config(args)["autotuning"])
     trials = summary["trials"]
     pruned = summary["pruned"]
@@ -725,11 +774,17 @@ def write(
         [
             SECTION_TITLE,
             "",
-            f"Date: {datetime.date.today().isoformat()}. Machine: {common.machine_desc()}. "
-            f"Versions: {versions()}.",
+            f"Date: {saved['date']}. Machine: {common.machine_desc()}. Versions: {versions()}.",
             "",
             f"Command (from the repository root): `.venv/bin/{command}` (total run time "
-            f"{total:.0f}s). The tuner's own command: `shardspeed --num_procs 2 --autotuning tune "
+            f"{total:.0f}s)"
+            + (
+                "; this section was rendered again from that run's saved `results.json` "
+                "(`--from-results`)"
+                if args.from_results
+                else ""
+            )
+            + ". The tuner's own command: `shardspeed --num_procs 2 --autotuning tune "
             "examples/train_gpt.py --deepspeed_config ds_config_tune.json --out TMP/run` "
             "(plus `--master_port`).",
             "",
@@ -803,6 +858,17 @@ def main(argv=None) -> int:
         "other processes used more than this many cores in the timed window (0.25)",
     )
     p.add_argument("--write", action="store_true", help=f"update {BENCH_MD.name}")
+    p.add_argument(
+        "--write-disturbed",
+        action="store_true",
+        help="write even when other load disturbed the tuner run (refused by default)",
+    )
+    p.add_argument(
+        "--from-results",
+        metavar="RESULTS_JSON",
+        help="measure nothing: report (and with --write, write) a previous run's results.json "
+        "(its temporary directory must still exist)",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         if args.write:
