@@ -50,13 +50,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        defaults: dict[str, Any],
         *,
         amsgrad: bool,
         cuda_aware: bool,
         comm_backend_name: str,
+        **hyperparameters: Any,
     ) -> None:
+        """`hyperparameters` (lr, bias_correction, betas, eps, eps_inside_sqrt, weight_decay,
+        max_grad_norm) become every param group's defaults."""
         name = type(self).__name__
+        defaults = {**hyperparameters, "betas": tuple(hyperparameters["betas"])}
         if amsgrad:
             raise ValueError(f"{name} does not support amsgrad (the AMSGrad variant)")
         if comm_backend_name not in _BACKENDS:
@@ -210,21 +213,18 @@ class OneBitAdam(CompressedOptimizer):
                 f"{freeze_step}"
             )
         self.freeze_step = freeze_step
-        defaults = {
-            "lr": lr,
-            "bias_correction": bias_correction,
-            "betas": tuple(betas),
-            "eps": eps,
-            "eps_inside_sqrt": eps_inside_sqrt,
-            "weight_decay": weight_decay,
-            "max_grad_norm": max_grad_norm,
-        }
         super().__init__(
             params,
-            defaults,
             amsgrad=amsgrad,
             cuda_aware=cuda_aware,
             comm_backend_name=comm_backend_name,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            eps_inside_sqrt=eps_inside_sqrt,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
         )
 
     def communicates_gradients(self) -> bool:
@@ -308,21 +308,18 @@ class ZeroOneAdam(CompressedOptimizer):
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
-        defaults = {
-            "lr": lr,
-            "bias_correction": bias_correction,
-            "betas": tuple(betas),
-            "eps": eps,
-            "eps_inside_sqrt": eps_inside_sqrt,
-            "weight_decay": weight_decay,
-            "max_grad_norm": max_grad_norm,
-        }
         super().__init__(
             params,
-            defaults,
             amsgrad=amsgrad,
             cuda_aware=cuda_aware,
             comm_backend_name=comm_backend_name,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            eps_inside_sqrt=eps_inside_sqrt,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
         )
 
     def communicates_gradients(self) -> bool:
