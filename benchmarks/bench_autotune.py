@@ -16,6 +16,10 @@ processes, gloo on CPU):
     .venv/bin/python benchmarks/bench_autotune.py            # tune, measure, print the tables
     .venv/bin/python benchmarks/bench_autotune.py --write    # ... and update BENCHMARKS.md
     .venv/bin/python benchmarks/bench_autotune.py --smoke    # stages 0 and 3 only, 1 round
+    .venv/bin/python benchmarks/bench_autotune.py --from-results TMP/results.json --write
+
+``--write`` refuses a run that other work disturbed (``--write-disturbed`` overrides);
+``--from-results`` reports a previous run's saved results again without measuring.
 
 See benchmarks/README.md.
 """
@@ -588,6 +592,8 @@ def orchestrate(args) -> int:
         saved = json.loads(Path(args.from_results).read_text())
         for key, value in saved["args"].items():
             setattr(args, key, value)
+        if args.smoke and args.write:
+            raise SystemExit("that was a --smoke run: its figures are not benchmarks, no --write")
     else:
         saved = measure_all(args)
     summary, run, results = saved["summary"], saved["run"], saved["results"]
