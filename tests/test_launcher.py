@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed
 
 from shardspeed.launcher import entry, runner
 from shardspeed.launcher.hostfile import (
@@ -439,6 +440,23 @@ def test_entry_runs_a_module(tmp_path: Path, report: Path) -> None:
     result = json.loads(report.read_text())
     assert result["argv"] == [str(tmp_path / "my_trainer.py"), "--y"]
     assert result["name"] == "__main__"
+
+
+LEAVES_GROUP_OPEN = """
+import sys
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
+sys.exit(0)
+"""
+
+
+def test_entry_closes_the_group_a_finished_script_left_open(tmp_path: Path, report: Path) -> None:
+    # Left to interpreter shutdown, the group's threads can abort a process that succeeded.
+    script = tmp_path / "train.py"
+    script.write_text(LEAVES_GROUP_OPEN)
+    init_method = f"file://{tmp_path / 'rendezvous'}"
+    assert entry.main(["--no_local_rank", str(script), init_method]) == 0
+    assert not torch.distributed.is_initialized()
 
 
 def test_entry_execs_a_program_without_python(monkeypatch: pytest.MonkeyPatch) -> None:

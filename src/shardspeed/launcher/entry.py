@@ -70,8 +70,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         from shardspeed.compat import install
 
         install()
-    run_target(target, args, module="--module" in flags)
+    try:
+        run_target(target, args, module="--module" in flags)
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise
+    close_process_group()
     return 0
+
+
+def close_process_group() -> None:
+    """Tear down the default process group a finished script left open, once every rank is done.
+
+    Scripts written for DeepSpeed rarely call ``destroy_process_group``; then the group is destroyed
+    during interpreter shutdown, when its threads can be torn down in the wrong order and abort the
+    process ("terminate called without an active exception") after the script succeeded. The barrier
+    keeps rank 0, which hosts the rendezvous store, alive until the others are done with it.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
