@@ -65,8 +65,9 @@ def imbalance(exp_counts: torch.Tensor) -> float:
 class GateOutput:
     """What a gate decided for one batch of tokens.
 
-    The decision is kept sparse, one entry per kept token-expert assignment (`token_index`,
-    `expert_index`, `slot_index`, `weight`), which is what the MoE layer dispatches with; the dense
+    The decision is kept per token and choice, [tokens, k] (`expert_index`, `slot_index`, `kept`,
+    `weight`): fixed shapes, so that routing with a fixed capacity never waits for the device to
+    say how many assignments survived. The MoE layer dispatches with `slot_rows`; the dense
     [tokens, experts, capacity] tensors DeepSpeed's gate returns (`combine_weights`,
     `dispatch_mask`) are built from it on request. `exp_counts` is the demand (what the router
     asked of each expert, before capacity dropped anything, as DeepSpeed reports it);
@@ -78,14 +79,16 @@ class GateOutput:
     num_tokens: int
     capacity: int
     """Slots per expert."""
-    token_index: torch.Tensor
-    """int64 [kept]: the token of each kept assignment."""
     expert_index: torch.Tensor
-    """int64 [kept]: its expert."""
+    """int64 [tokens, k]: each token's chosen experts."""
     slot_index: torch.Tensor
-    """int64 [kept]: its slot in that expert's buffer."""
+    """int64 [tokens, k]: the slot a kept choice takes in its expert's buffer (meaningless where
+    not kept)."""
+    kept: torch.Tensor
+    """bool [tokens, k]: whether the choice got a slot (False for dropped and padding tokens)."""
     weight: torch.Tensor
-    """fp32 [kept]: the weight its expert output comes back with (differentiable)."""
+    """fp32 [tokens, k]: the weight the choice's expert output comes back with, 0 where not kept
+    (differentiable)."""
     exp_counts: torch.Tensor
     """int64 [experts]: token-expert assignments per expert before capacity dropping."""
     dropped: torch.Tensor
@@ -95,20 +98,32 @@ class GateOutput:
     """int64 [experts]: assignments each expert actually receives."""
 
     @property
+    def num_slots(self) -> int:
+        """Slots of all experts together: rows of the [experts * capacity, model] dispatch buffer."""
+        return self.exp_counts.numel() * self.capacity
+
+    @property
+    def slot_rows(self) -> torch.Tensor:
+        """int64 [tokens, k]: each choice's row of the dispatch buffer, `num_slots` (one spare row
+        past the end) where it was not kept."""
+        rows = self.expert_index * self.capacity + self.slot_index
+        return torch.where(self.kept, rows, self.num_slots)
+
+    def _dense(self, values: torch.Tensor) -> torch.Tensor:
+        """[tokens, experts, capacity] holding `values` [tokens, k] at the kept choices' slots."""
+        dense = values.new_zeros(self.num_tokens, self.num_slots + 1)
+        dense.scatter_(1, self.slot_rows, values)
+        return dense[:, : self.num_slots].reshape(self.num_tokens, -1, self.capacity)
+
+    @property
     def combine_weights(self) -> torch.Tensor:
         """fp32 [tokens, experts, capacity]: weight of each slot's expert output for each token."""
-        shape = (self.num_tokens, self.exp_counts.numel(), self.capacity)
-        dense = self.weight.new_zeros(shape)
-        dense[self.token_index, self.expert_index, self.slot_index] = self.weight
-        return dense
+        return self._dense(self.weight)
 
     @property
     def dispatch_mask(self) -> torch.Tensor:
         """bool [tokens, experts, capacity]: which token fills which slot of which expert."""
-        shape = (self.num_tokens, self.exp_counts.numel(), self.capacity)
-        dense = torch.zeros(shape, dtype=torch.bool, device=self.weight.device)
-        dense[self.token_index, self.expert_index, self.slot_index] = True
-        return dense
+        return self._dense(self.kept)
 
 
 class TopKGate(nn.Module):
@@ -239,24 +254,26 @@ class TopKGate(nn.Module):
             routing = routing - self.load_factors
 
         route = self._top1 if self.k == 1 else self._top2
-        first, assigned, kept, slots, weights, slots_per_expert = route(routing, gates, used)
+        first, assigned, kept, slots, weights, slots_per_expert, choices = route(
+            routing, gates, used
+        )
 
         # Load-balancing loss of Switch/GShard on the first choices before dropping; the means run
         # over all tokens, padding included, as in DeepSpeed (whose top-2 form, mean * E * E, is the
         # same quantity).
         l_aux = self.num_experts * (gates.mean(dim=0) * first.float().mean(dim=0)).sum()
 
-        token, expert = kept.nonzero(as_tuple=True)
         exp_counts = assigned.sum(dim=0)
         tokens_per_expert = kept.sum(dim=0)
+        kept_choice = kept.gather(1, choices)
         return GateOutput(
             l_aux=l_aux,
             num_tokens=num_tokens,
             capacity=slots_per_expert,
-            token_index=token,
-            expert_index=expert,
-            slot_index=slots[token, expert],
-            weight=weights[token, expert],
+            expert_index=choices,
+            slot_index=slots.gather(1, choices),
+            kept=kept_choice,
+            weight=weights.gather(1, choices) * kept_choice,
             exp_counts=exp_counts,
             dropped=exp_counts.sum() - tokens_per_expert.sum(),
             tokens_per_expert=tokens_per_expert,
@@ -278,13 +295,17 @@ class TopKGate(nn.Module):
 
     def _top1(
         self, routing: torch.Tensor, gates: torch.Tensor, used: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """(first choices, assignments, kept assignments, slots, weights, capacity), [S, E] each
-        but the last; the weight of a kept assignment is its expert's gate value."""
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor
+    ]:
+        """(first choices, assignments, kept assignments, slots, weights, capacity, chosen
+        experts): [S, E] each but the last two, capacity an int and the chosen experts [S, k].
+        The weight of a kept assignment is its expert's gate value."""
         num_tokens = routing.shape[0]
         if self.training and self.noisy_gate_policy == "RSample":
             routing = routing + _gumbel(routing)
-        first = F.one_hot(routing.argmax(dim=1), self.num_experts).bool()
+        choice = routing.argmax(dim=1, keepdim=True)
+        first = _one_hot(choice[:, 0], self.num_experts)
         if used is not None:
             first &= used
         slots_per_expert = self._capacity(first.sum(dim=0), num_tokens)
@@ -304,11 +325,13 @@ class TopKGate(nn.Module):
         kept = first & (rank < slots_per_expert)
         # Kept tokens take their expert's slots in position order, whatever order chose them.
         slots = kept.cumsum(dim=0) - 1
-        return first, first, kept, slots, gates, slots_per_expert
+        return first, first, kept, slots, gates, slots_per_expert, choice
 
     def _top2(
         self, routing: torch.Tensor, gates: torch.Tensor, used: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor
+    ]:
         """As `_top1`; the weights are the gate values renormalised over each token's kept
         experts (DeepSpeed's gate1 / (gate1 + gate2), where a dropped choice counts 0)."""
         num_tokens = routing.shape[0]
@@ -318,8 +341,9 @@ class TopKGate(nn.Module):
             # Gumbel-max: the argmax of logits + Gumbel noise is a sample from their softmax.
             second_logits = routing + _gumbel(routing)
         second_logits = second_logits.scatter(1, first_index.unsqueeze(1), float("-inf"))
-        first = F.one_hot(first_index, self.num_experts).bool()
-        second = F.one_hot(second_logits.argmax(dim=1), self.num_experts).bool()
+        second_index = second_logits.argmax(dim=1)
+        first = _one_hot(first_index, self.num_experts)
+        second = _one_hot(second_index, self.num_experts)
         if used is not None:
             first &= used
             second &= used
@@ -334,11 +358,18 @@ class TopKGate(nn.Module):
         kept = assigned & (rank < slots_per_expert)
         kept_total = (gates * kept).sum(dim=1, keepdim=True)
         weights = gates / kept_total.clamp(min=torch.finfo(gates.dtype).eps)
-        return first, assigned, kept, rank, weights, slots_per_expert
+        choices = torch.stack((first_index, second_index), dim=1)
+        return first, assigned, kept, rank, weights, slots_per_expert, choices
+
+
+def _one_hot(index: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """bool [len(index), num_classes]: F.one_hot without its range check, which reads the
+    indices back on the host (argmax's indices are in range by construction)."""
+    return index.unsqueeze(1) == torch.arange(num_classes, device=index.device)
 
 
 def _gumbel(like: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise shaped like `like`, drawn as DeepSpeed draws it (so a shared seed
-    gives the same noise)."""
+    gives the same noise). Argument validation is off: it reads the parameters back on the host."""
     zero = torch.zeros((), device=like.device)
-    return torch.distributions.Gumbel(zero, zero + 1).rsample(like.shape)
+    return torch.distributions.Gumbel(zero, zero + 1, validate_args=False).rsample(like.shape)

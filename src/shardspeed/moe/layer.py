@@ -96,26 +96,29 @@ class MOELayer(nn.Module):
         tokens = hidden.reshape(-1, hidden.shape[-1])
         routed = self.gate(tokens, used_token)
         self.last_gate = routed
-        # Each kept assignment copies its token into its slot, and adds its slot's output back
-        # weighted: index copies over the kept assignments only, rather than products over every
-        # (token, expert, slot) triple.
-        model, capacity = tokens.shape[1], routed.capacity
-        slot_rows = routed.expert_index * capacity + routed.slot_index
-        dispatched = tokens.new_zeros(self.gate.num_experts * capacity, model).index_copy(
-            0, slot_rows, tokens.index_select(0, routed.token_index)
-        )
+        # Each token's choices copy it into their slots (a dropped choice into a spare row past
+        # the end), and their slots' outputs come back weighted (0 where dropped): index copies
+        # over [tokens, k] rather than products over every (token, expert, slot) triple, and
+        # shapes that do not depend on how many choices were kept, so nothing waits on the device.
+        model, k = tokens.shape[1], routed.expert_index.shape[1]
+        rows = routed.slot_rows.reshape(-1)
+        choices = tokens if k == 1 else tokens.repeat_interleave(k, dim=0)
+        dispatched = tokens.new_zeros(routed.num_slots + 1, model).index_copy(0, rows, choices)
+        dispatched = dispatched[: routed.num_slots]
         # [experts, capacity, model] in expert order is, in rank order, each expert-group rank's
         # [local experts, capacity, model]: one equal chunk per destination.
         if self.ep_size > 1:
             dispatched = _AllToAll.apply(self._groups().ep_group, dispatched)
-        slots = dispatched.reshape(self.ep_size, self.num_local_experts, capacity, model)
+        slots = dispatched.reshape(self.ep_size, self.num_local_experts, routed.capacity, model)
         expert_output = self.experts(slots)
         if self.ep_size > 1:
             expert_output = _AllToAll.apply(self._groups().ep_group, expert_output)
-        returned = expert_output.reshape(-1, model).index_select(0, slot_rows)
-        combined = tokens.new_zeros(tokens.shape).index_add(
-            0, routed.token_index, returned * routed.weight.unsqueeze(1).type_as(tokens)
+        # A dropped choice reads the last real row instead of the spare one; its weight is 0.
+        returned = expert_output.reshape(-1, model).index_select(
+            0, rows.clamp(max=routed.num_slots - 1)
         )
+        weights = routed.weight.reshape(-1, 1).type_as(tokens)
+        combined = (returned * weights).reshape(-1, k, model).sum(dim=1)
         return combined.reshape(hidden.shape), routed.l_aux, routed.exp_counts
 
 
