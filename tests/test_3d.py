@@ -8,6 +8,7 @@ import pytest
 
 import tp_model as tm
 from reference_training import assert_named_close
+from shardspeed.testing import HostSyncCounter
 
 # fp32 against fp32, only the summation order differs (tensor-parallel partial sums, micro-batch
 # accumulation): the issue asks for 1e-5 relative.
@@ -20,6 +21,24 @@ def _check(whole: dict, expected: dict) -> None:
 
 def test_tensor_parallel_two(pool2):
     _check(tm.join(pool2.run(tm.train_tp, 2)), tm.reference(tm.MICRO))
+
+
+def _host_syncs_after_training(tp: int) -> list[str]:
+    """Where the host waited for the device during 3 more steps of a trained engine."""
+    engine = tm.train_tp(tp, keep_engine=True)
+    dp = engine.topology.dp_world_size
+    with HostSyncCounter() as syncs:
+        for step in range(3):
+            for ids, labels in tm.micro_batches(step, dp, engine.topology.dp_rank, 1):
+                engine.backward(tm.loss_fn(engine(ids), labels))
+                engine.step()
+    return syncs.places
+
+
+def test_tensor_parallel_steps_wait_for_the_device_once(pool2):
+    # Only the gradient norm (overflow, clipping) is read back; the layers' all-reduces are not.
+    for places in pool2.run(_host_syncs_after_training, 2):
+        assert len(places) == 3 and all("zero/optimizer.py" in p for p in places), places
 
 
 def test_tp_model_init_records_the_size_for_initialize(pool2):

@@ -7,6 +7,7 @@ all-reduce differs); fp16 and bf16 runs track the reference within the rounding 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -26,6 +27,7 @@ from reference_training import (
     reference,
     train,
 )
+from shardspeed.testing import HostSyncCounter
 
 # -- parity with the single-process reference ------------------------------------------------
 
@@ -103,6 +105,51 @@ def test_clipping_and_reported_norm(pool2):
 def test_no_clipping(pool2):
     results = pool2.run(train, 4, {"gradient_clipping": 0.0})
     assert_close_relative(results[0]["params"], reference(clip=0.0), 1e-5)
+
+
+# -- the hot path -------------------------------------------------------------------------------
+
+
+def host_syncs_per_step(extra: dict) -> list[str]:
+    """Where the host waited for the device during 3 optimizer steps (after a first one, which
+    reports memory), at micro 2 x accumulation 2 per rank."""
+    model = make_model()
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config(2, **extra)
+    )
+    rank, world = engine.global_rank, engine.dp_world_size
+    dtype = next(engine.module.parameters()).dtype
+    syncs = HostSyncCounter()
+    for step in range(4):
+        x, y = batch(step)
+        with syncs if step > 0 else contextlib.nullcontext():
+            for m in range(2):
+                start = (m * world + rank) * 2
+                loss = F.mse_loss(
+                    engine(x[start : start + 2].to(dtype)).float(), y[start : start + 2]
+                )
+                engine.backward(loss)
+                engine.step()
+    return syncs.places
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"zero_optimization": {"stage": 0}, "gradient_clipping": 1.0},
+        {"zero_optimization": {"stage": 1}, "fp16": {"enabled": True}},
+        {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "gradient_clipping": 1.0},
+        {"zero_optimization": {"stage": 3}},
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+    ],
+    ids=["stage0-clip", "stage1-fp16", "stage2-bf16-clip", "stage3", "stage2-offload"],
+)
+def test_one_host_sync_per_optimizer_step(pool2, extra):
+    # The gradient norm decides whether and how the step applies (overflow, clipping): reading it
+    # is the step's one wait for the device. Forward, backward and reduction never wait.
+    for places in pool2.run(host_syncs_per_step, extra):
+        assert len(places) == 3, places
+        assert all("zero/optimizer.py" in place for place in places), places
 
 
 # -- step bookkeeping ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 
 import moe_model as mm
 from reference_training import assert_named_close
+from shardspeed.testing import HostSyncCounter
 
 # fp32 against fp32; only summation orders differ (experts see other ranks' tokens in one batch,
 # gradients summed over groups): the issue asks for 1e-5 relative.
@@ -51,6 +52,26 @@ def test_ep2_by_dp1_and_ep1_by_dp2_equal_the_reference(pool2, routing):
     expected = mm.reference(mm.MICRO * 2, routing)
     for ep in (2, 1):
         _check(mm.join(pool2.run(mm.train, ep, 1, routing=routing)), expected)
+
+
+def _host_syncs_after_training(ep: int) -> list[str]:
+    """Where the host waited for the device during 3 more steps of a trained engine."""
+    engine = mm.train(ep, keep_engine=True)
+    dp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    rows = slice(rank * mm.MICRO, (rank + 1) * mm.MICRO)
+    with HostSyncCounter() as syncs:
+        for step in range(3):
+            ids, labels = mm.global_batch(step, mm.MICRO * dp)
+            engine.backward(mm.loss_fn(engine(ids[rows]), labels[rows]))
+            engine.step()
+    return syncs.places
+
+
+def test_expert_parallel_steps_wait_for_the_device_once(pool2):
+    # Capacity is fixed (tokens are dropped), so routing and both all-to-alls run without
+    # reading anything back; only the gradient norm is.
+    for places in pool2.run(_host_syncs_after_training, 2):
+        assert len(places) == 3 and all("zero/optimizer.py" in p for p in places), places
 
 
 def test_expert_weights_differ_across_expert_ranks_and_agree_across_replicas(pool4):

@@ -15,7 +15,7 @@ import shardspeed
 from shardspeed.config import ConfigError
 from shardspeed.pipe import LayerSpec, PipelineError, PipelineModule
 from shardspeed.pipe.module import partition_balanced, partition_layers, partition_uniform
-from shardspeed.testing import RankFailure
+from shardspeed.testing import HostSyncCounter, RankFailure
 from shardspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 MICRO, GAS = 2, 4
@@ -119,6 +119,24 @@ def test_1f1b_keeps_at_most_p_micro_batches_alive(pool4):
     gpipe = dict(pool4.run(_activation_peaks, "gpipe"))
     assert one_f_one_b[0] == 4 and all(one_f_one_b[s] == 4 - s for s in range(4))
     assert gpipe[0] == 8
+
+
+def _host_syncs_after_first_batch(stages: int) -> list[str]:
+    """Where the host waited for the device during 3 train_batch calls after the first."""
+    model = pm.build(stages)
+    engine, *_ = shardspeed.initialize(model=model, config=pm.config(MICRO, GAS, 1))
+    engine.train_batch(pm.micro_batches(0, MICRO, GAS, 0, 1))
+    with HostSyncCounter() as syncs:
+        for step in range(1, 4):
+            engine.train_batch(pm.micro_batches(step, MICRO, GAS, 0, 1))
+    return syncs.places
+
+
+def test_pipelined_steps_wait_for_the_device_once(pool2):
+    # Activations move with pre-agreed shapes and the loss stays a tensor: only the gradient norm
+    # (overflow, clipping) is read back, once per batch.
+    for places in pool2.run(_host_syncs_after_first_batch, 2):
+        assert len(places) == 3 and all("zero/optimizer.py" in p for p in places), places
 
 
 def _bubble(stages: int, gas: int) -> list[dict]:

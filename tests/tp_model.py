@@ -133,10 +133,12 @@ def train_tp(
     save: str | None = None,
     load: str | None = None,
     tp_model_init: bool = False,
-) -> dict:
+    keep_engine: bool = False,
+) -> Any:
     """GPT through `initialize` with `tensor_parallel.autotp_size` tp, data parallel over the
     rest, global batches of `global_size` sequences (default: one micro-batch per replica).
-    `save` checkpoints after step 3; `load` resumes from one."""
+    `save` checkpoints after step 3; `load` resumes from one. With `keep_engine`, returns the
+    engine rather than this rank's parameters."""
     dp = torch.distributed.get_world_size() // tp
     gas = (global_size or MICRO * dp) // (MICRO * dp)
     model = GPT()
@@ -156,6 +158,8 @@ def train_tp(
             engine.step()
         if save is not None and step == 2:
             engine.save_checkpoint(save)
+    if keep_engine:
+        return engine
     return {
         "stage": 0,
         "tp_rank": engine.topology.tp_rank,

@@ -16,6 +16,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from ..comm import free_port
 
 
@@ -126,3 +128,31 @@ def run_on_ranks(
     """One-off: start `world_size` ranks, run `fn` on each, stop them, return results by rank."""
     with RankPool(world_size, timeout) as pool:
         return pool.run(fn, *args, **kwargs)
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts, while active, the operators that make the host wait for the device: a scalar read
+    (`item()`, `int()`, `bool()` of a tensor) or an output whose shape depends on the data
+    (`nonzero`, `masked_select`, `unique`, tensor-valued `repeat_interleave`).
+
+    On a CPU these cost nothing, so only counting finds a sync that would stall a GPU's stream.
+    `places` names each, with where it happened (the innermost shardspeed frame).
+    """
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.places: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name.startswith(self.SYNCING) or str(func) == "aten.repeat_interleave.Tensor":
+            frames = [
+                f
+                for f in traceback.extract_stack()
+                if f"{os.sep}shardspeed{os.sep}" in f.filename and f.filename != __file__
+            ]
+            where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "outside shardspeed"
+            self.places.append(f"{func} at {where}")
+        return func(*args, **(kwargs or {}))
