@@ -74,6 +74,61 @@ def test_moe_layer_on_cuda_equals_cpu():
         torch.testing.assert_close(g.cpu(), ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_moe_layer_on_cuda_never_synchronizes(k):
+    # What HostSyncCounter checks on CPU, the CUDA runtime checks here: any stream sync raises.
+    from shardspeed.moe.layer import MoE
+
+    torch.manual_seed(0)
+    expert = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    layer = MoE(16, expert, num_experts=4, k=k, capacity_factor=0.5).cuda()
+    x = torch.randn(3, 8, 16, device="cuda", requires_grad=True)
+    layer(x)  # the first call may set up kernels and caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, l_aux, _ = layer(x)
+        (out.square().sum() + l_aux).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_engine_micro_step_on_cuda_never_synchronizes():
+    # Forward, backward and a micro-step inside accumulation wait for nothing; only the boundary
+    # step reads the gradient norm.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    engine, *_ = shardspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 1.0,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        },
+    )
+    x = torch.randn(4, 16, device=engine.device, dtype=torch.bfloat16)
+
+    def micro_step() -> None:
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+
+    for _ in range(4):  # two whole steps: buffers, hooks and optimizer state exist
+        micro_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        micro_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    micro_step()
+    assert engine.global_steps == 3
+
+
 def test_block_cache_generation_on_cuda_equals_the_models_own():
     from shardspeed.inference import SamplingParams, generate
 
