@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import moe_model as mm
+import shardspeed
 from reference_training import assert_named_close
 from shardspeed.testing import HostSyncCounter
 
@@ -114,6 +116,71 @@ def test_checkpoint_reshards_across_expert_parallel_sizes(pool4, pool2, tmp_path
     saver.run(mm.train, save_ep, save_zero, global_size, path)
     resumed = loader.run(mm.train, load_ep, load_zero, global_size, None, path)
     _check(mm.join(resumed), mm.reference(global_size))
+
+
+class _StatefulExpert(nn.Module):
+    """An expert with state besides its trained weights: a frozen offset (set per expert) and a
+    persistent count of the tokens it has processed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.offset = nn.Parameter(torch.zeros(8), requires_grad=False)
+        self.register_buffer("tokens_seen", torch.zeros(()))
+
+    def forward(self, slots: torch.Tensor) -> torch.Tensor:
+        self.tokens_seen += (slots != 0).any(dim=-1).sum()  # empty slots are all zeros
+        return self.linear(slots) + self.offset
+
+
+def _stateful_experts(ep: int, path: str, save: bool) -> dict[str, torch.Tensor]:
+    """An MoE layer of 4 stateful experts through `initialize`; trained 2 steps and saved, or
+    loaded. Returns this rank's experts' offsets and token counts under their global names."""
+    from shardspeed.moe.layer import MoE
+
+    torch.manual_seed(0)
+    layer = MoE(8, _StatefulExpert(), num_experts=4, ep_size=ep)
+    engine, *_ = shardspeed.initialize(
+        model=layer,
+        model_parameters=[p for p in layer.parameters() if p.requires_grad],
+        config={
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        },
+    )
+    names = {local: name for local, (name, _) in engine.expert_tensor_names.items()}
+    state = dict(layer.named_buffers()) | dict(layer.named_parameters())
+    if save:
+        for local, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
+            expert.offset.fill_(float(layer.global_expert_index(local)))
+        gen = torch.Generator().manual_seed(torch.distributed.get_rank())
+        for _ in range(2):
+            out, l_aux, _ = engine(torch.randn(4, 6, 8, generator=gen))
+            engine.backward(out.square().mean() + l_aux)
+            engine.step()
+        engine.save_checkpoint(path)
+    else:
+        engine.load_checkpoint(path)
+    return {
+        names.get(n, n): t.detach().clone()
+        for n, t in state.items()
+        if n.endswith(("offset", "tokens_seen"))
+    }
+
+
+def test_expert_buffers_and_frozen_parameters_reshard(pool2, tmp_path):
+    # Each expert's own state is saved under its global name by one holder, and loads into
+    # whichever rank holds that expert at another expert-parallel size.
+    path = str(tmp_path / "ckpt")
+    saved: dict[str, torch.Tensor] = {}
+    for rank_state in pool2.run(_stateful_experts, 2, path, True):
+        saved.update(rank_state)
+    assert len(saved) == 8 and sum(float(t) for n, t in saved.items() if "tokens" in n) > 0
+    for ep in (2, 1):
+        for rank_state in pool2.run(_stateful_experts, ep, path, False):
+            for name, value in rank_state.items():
+                assert torch.equal(value, saved[name]), (ep, name)
+        assert len(rank_state) == (8 if ep == 1 else 4)
 
 
 def test_save_16bit_model_gathers_every_expert(pool4, tmp_path):

@@ -218,24 +218,25 @@ def _collect(
                     key = stored(f"optim/{n}/{name}", name)
                     add(key, f"optim.{n}.{k}", v, start, length, shape)
                     logical[key]["pieces"][-1].append(offset)
-    if writes_replicated:
-        managed = set(zopt.params)
-        if not exclude_frozen:
-            for name, p in engine.module.named_parameters():
-                if p not in managed:
-                    key = f"frozen.{name}"
-                    tensors[key] = p.detach().reshape(-1)
-                    add(f"param/{name}", key, p, 0, p.numel(), p.shape)
-                    logical[f"param/{name}"]["pieces"][-1].append(0)
-        # Persistent buffers: the state dict less every parameter name, second names of tied ones too.
-        param_names = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
-        for name, b in engine.module.state_dict(keep_vars=True).items():
-            if name in param_names or not isinstance(b, torch.Tensor):
-                continue
-            key = f"buffer.{name}"
-            tensors[key] = b.detach().reshape(-1)
-            add(f"buffer/{name}", key, b, 0, b.numel(), b.shape)
-            logical[f"buffer/{name}"]["pieces"][-1].append(0)
+    # Frozen parameters and persistent buffers (the state dict less every parameter name, second
+    # names of tied ones too), whole: one copy each, written by its first holder.
+    managed = set(zopt.params)
+    param_names = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
+    whole = [
+        ("buffer", "buffer", n, b)
+        for n, b in engine.module.state_dict(keep_vars=True).items()
+        if n not in param_names and isinstance(b, torch.Tensor)
+    ]
+    if not exclude_frozen:
+        frozen = [(n, p) for n, p in engine.module.named_parameters() if p not in managed]
+        whole += [("param", "frozen", n, p) for n, p in frozen]
+    for kind, prefix, module_name, value in whole:
+        name, first_holder = _checkpoint_name(engine, module_name, writes_replicated)
+        if first_holder:
+            key = f"{prefix}.{name}"
+            tensors[key] = value.detach().reshape(-1)
+            add(f"{kind}/{name}", key, value, 0, value.numel(), value.shape)
+            logical[f"{kind}/{name}"]["pieces"][-1].append(0)
 
     rank_state: dict[str, Any] = {
         "rng": encode(_rng_state(), tensors, f"rng.{rank}."),
@@ -485,14 +486,22 @@ def load_parameters(
                     if f"param/{name}" in source:
                         flat[offset : offset + length] = read(f"param/{name}", name, start, length)
         managed = set(zopt.params)
-        for name, p in engine.module.named_parameters():
-            if p not in managed and f"param/{name}" in source:
-                p.copy_(source.read_whole(f"param/{name}"))
-        for name, b in engine.module.named_buffers():
-            if f"buffer/{name}" in source:
-                b.copy_(source.read_whole(f"buffer/{name}"))
+        whole = [("param", n, p) for n, p in engine.module.named_parameters() if p not in managed]
+        whole += [("buffer", n, b) for n, b in engine.module.named_buffers()]
+        for kind, module_name, value in whole:
+            key = f"{kind}/{_checkpoint_name(engine, module_name)[0]}"
+            if key in source:
+                value.copy_(source.read_whole(key))
     zopt.publish()
     return pieces
+
+
+def _checkpoint_name(engine: Any, module_name: str, first_replica: bool = True) -> tuple[str, bool]:
+    """(checkpoint name, whether this rank writes it) of a whole tensor held in the model: an
+    expert-parallel expert's is its global name, written by its expert-data group's first rank;
+    any other keeps its module name, written by the first replica."""
+    expert = getattr(engine, "expert_tensor_names", {}).get(module_name)
+    return expert if expert is not None else (module_name, first_replica)
 
 
 def tensor_parallel_splits(engine: Any) -> dict[str, Split]:
@@ -526,12 +535,17 @@ def _check_names(
     # Parameters by checkpoint name: the optimizer's names (an expert-parallel expert is called
     # by its global index), and frozen parameters by their module names.
     params = dict(zip(zopt.param_names, zopt.params))
-    params.update((n, p) for n, p in engine.module.named_parameters() if p not in managed)
+    params.update(
+        (_checkpoint_name(engine, n)[0], p)
+        for n, p in engine.module.named_parameters()
+        if p not in managed
+    )
     model = set(params)
     if exclude_frozen:
         model = {n for n, p in params.items() if p.requires_grad}
     # Second names of shared parameters and buffers may be present without being parameters.
-    known = model | set(_aliases(engine.module)) | {n for n, _ in engine.module.named_buffers()}
+    buffers = {_checkpoint_name(engine, n)[0] for n, _ in engine.module.named_buffers()}
+    known = model | set(_aliases(engine.module)) | buffers
     expert_parallel = any(m.ep_size > 1 for m in getattr(engine, "moe_layers", {}).values())
     if engine.topology.num_stages > 1 or expert_parallel:
         # A name is expected if any rank holds it (another stage, other experts).

@@ -125,6 +125,7 @@ class ShardSpeedEngine(nn.Module):
             model.to(dtype=self.dtype)
         self.module = model
         self.moe_layers = self._connect_experts()
+        self.expert_tensor_names = self._name_expert_tensors()
 
         self.basic_optimizer = self._build_optimizer(optimizer, model_parameters)
         self.optimizer = self._wrap_optimizer(self.basic_optimizer)
@@ -171,6 +172,25 @@ class ShardSpeedEngine(nn.Module):
                     layer.set_expert_groups(groups)
         return layers
 
+    def _name_expert_tensors(self) -> dict[str, tuple[str, bool]]:
+        """Module name -> (checkpoint name, first holder) of every parameter and buffer inside an
+        expert of an expert-parallel MoE layer. An expert's checkpoint name carries its global
+        index (what the layer is at ep_size 1), and the first rank of its expert-data group
+        writes it."""
+        names = {}
+        for prefix, layer in self.moe_layers.items():
+            if layer.ep_size == 1:
+                continue  # every rank holds every expert, under its own name
+            first = layer.deepspeed_moe.groups.expert_data_rank == 0
+            stem = ".".join(filter(None, (prefix, "deepspeed_moe.experts.deepspeed_experts")))
+            experts = layer.deepspeed_moe.experts.deepspeed_experts
+            for i, expert in enumerate(experts):
+                tensors = [*expert.named_parameters(), *expert.named_buffers()]
+                for name, _ in tensors:
+                    global_name = f"{stem}.{layer.global_expert_index(i)}.{name}"
+                    names[f"{stem}.{i}.{name}"] = (global_name, first)
+        return names
+
     def _expert_parameters(self) -> list[ExpertParameters]:
         """Each expert-parallel MoE layer's trainable expert weights, with their global names."""
         out = []
@@ -178,18 +198,17 @@ class ShardSpeedEngine(nn.Module):
             if layer.ep_size == 1:
                 continue  # every rank holds every expert: averaged with the rest
             groups = layer.deepspeed_moe.groups
-            params, names = [], []
-            experts = layer.deepspeed_moe.experts.deepspeed_experts
-            for i, expert in enumerate(experts):
-                stem = ".".join(filter(None, (prefix, "deepspeed_moe.experts.deepspeed_experts")))
-                for name, p in expert.named_parameters():
-                    if p.requires_grad:
-                        params.append(p)
-                        names.append(f"{stem}.{layer.global_expert_index(i)}.{name}")
+            named = [
+                (self.expert_tensor_names[f"{prefix}.{n}" if prefix else n][0], p)
+                for n, p in layer.deepspeed_moe.experts.named_parameters(
+                    prefix="deepspeed_moe.experts"
+                )
+                if p.requires_grad
+            ]
             out.append(
                 ExpertParameters(
-                    tuple(params),
-                    tuple(names),
+                    tuple(p for _, p in named),
+                    tuple(n for n, _ in named),
                     groups.expert_data_group,
                     groups.expert_data_rank,
                     groups.expert_data_size,
