@@ -5,7 +5,9 @@ reference after 5 steps; checkpoints reshard between tensor-parallel sizes."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+import shardspeed
 import tp_model as tm
 from reference_training import assert_named_close
 from shardspeed.testing import HostSyncCounter
@@ -68,6 +70,50 @@ def test_checkpoint_from_tensor_two_by_data_two_loads_at_one_rank(pool4, tmp_pat
 
     [resumed] = run_on_ranks(tm.train_tp, 1, 1, 0, global_size, None, path)
     _check(tm.join([resumed]), tm.reference(global_size))
+
+
+FROZEN = "blocks.0.fc1.weight"  # column-split over tensor-parallel ranks
+
+
+def _frozen_split_parameter(tp: int, path: str, save: bool) -> torch.Tensor:
+    """TP GPT with one split weight frozen: trained 2 steps and saved, or (with the frozen weight
+    zeroed first) loaded. Returns this rank's piece of the frozen weight."""
+    model = tm.GPT()
+    model.get_parameter(FROZEN).requires_grad_(False)
+    autotp = {"autotp_size": tp, "partition_config": {"layer_specs": tm.LAYER_SPECS}}
+    dp = torch.distributed.get_world_size() // tp
+    engine, *_ = shardspeed.initialize(
+        model=model,
+        config=tm.config(dp, tensor_parallel=autotp if tp > 1 else {}),
+    )
+    frozen = model.get_parameter(FROZEN)
+    if save:
+        for step in range(2):
+            for ids, labels in tm.micro_batches(step, dp, engine.topology.dp_rank, 1):
+                engine.backward(tm.loss_fn(engine(ids), labels))
+                engine.step()
+        engine.save_checkpoint(path)
+    else:
+        frozen.data.zero_()
+        engine.load_checkpoint(path)
+    return frozen.detach().clone()
+
+
+def test_frozen_split_parameters_reshard_between_tensor_parallel_sizes(pool2, tmp_path):
+    # Each tensor-parallel rank's piece of a frozen weight is saved as a piece of the whole, as a
+    # trained one is, and loads at any tensor-parallel size.
+    from shardspeed.testing import run_on_ranks
+
+    path = str(tmp_path / "ckpt")
+    whole = tm.GPT().get_parameter(FROZEN).detach()
+    pieces = pool2.run(_frozen_split_parameter, 2, path, True)
+    assert torch.equal(torch.cat(pieces), whole)  # frozen: training left it alone
+    assert [
+        torch.equal(p, q)
+        for p, q in zip(pool2.run(_frozen_split_parameter, 2, path, False), pieces)
+    ] == [True, True]
+    [loaded] = run_on_ranks(_frozen_split_parameter, 1, 1, path, False)
+    assert torch.equal(loaded, whole)
 
 
 def _partitioned_refused() -> str:

@@ -235,8 +235,10 @@ def _collect(
         if first_holder:
             key = f"{prefix}.{name}"
             tensors[key] = value.detach().reshape(-1)
-            add(f"{kind}/{name}", key, value, 0, value.numel(), value.shape)
-            logical[f"{kind}/{name}"]["pieces"][-1].append(0)
+            # A frozen parameter split over tensor-parallel ranks is saved as a piece of the whole.
+            stored_name = stored(f"{kind}/{name}", module_name)
+            add(stored_name, key, value, 0, value.numel(), value.shape)
+            logical[stored_name]["pieces"][-1].append(0)
 
     rank_state: dict[str, Any] = {
         "rng": encode(_rng_state(), tensors, f"rng.{rank}."),
@@ -486,12 +488,14 @@ def load_parameters(
                     if f"param/{name}" in source:
                         flat[offset : offset + length] = read(f"param/{name}", name, start, length)
         managed = set(zopt.params)
-        whole = [("param", n, p) for n, p in engine.module.named_parameters() if p not in managed]
-        whole += [("buffer", n, b) for n, b in engine.module.named_buffers()]
-        for kind, module_name, value in whole:
-            key = f"{kind}/{_checkpoint_name(engine, module_name)[0]}"
+        for module_name, p in engine.module.named_parameters():
+            key = f"param/{_checkpoint_name(engine, module_name)[0]}"
+            if p not in managed and key in source:  # frozen: this rank's piece, whole
+                p.copy_(read(key, module_name, 0, p.numel()).view_as(p))
+        for module_name, b in engine.module.named_buffers():
+            key = f"buffer/{_checkpoint_name(engine, module_name)[0]}"
             if key in source:
-                value.copy_(source.read_whole(key))
+                b.copy_(source.read_whole(key))
     zopt.publish()
     return pieces
 
