@@ -210,6 +210,40 @@ def test_zero_one_adam_tracks_adam(pool2, adam):
     assert first["wire"][-2] == 0  # a local step sends nothing
 
 
+def _exchanges_per_step(kind: str) -> list[dict]:
+    """Collectives the optimizer itself makes in each of 12 steps, for 3 parameters in one group
+    (gradients the optimizer does not take averaged are averaged here, as the engine would)."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 7, 9)]
+    options = {"var_freeze_step": 6, "var_update_scaler": 2} if kind == "zeroone" else {}
+    opt = {"onebit": OneBitAdam, "zeroone": ZeroOneAdam}[kind](
+        params, lr=LR, **(options or {"freeze_step": 3})
+    )
+    opt.set_process_group(None)
+    gen = torch.Generator().manual_seed(get_rank())
+    exchanges = []
+    for _ in range(12):
+        own = opt.communicates_gradients()
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+            if not own:
+                all_reduce(p.grad)
+                p.grad /= get_world_size()
+        reset_comm_volume()
+        opt.step()
+        exchanges.append({op: v["calls"] for op, v in comm_volume().items()})
+    return exchanges
+
+
+@pytest.mark.parametrize("kind", ["onebit", "zeroone"])
+def test_a_param_group_is_one_exchange(pool2, kind):
+    # As DeepSpeed flattens a group: one 1-bit all-reduce (an all-to-all and an all-gather) per
+    # group and step whatever the number of parameters, never one per parameter.
+    exchanges = pool2.run(_exchanges_per_step, kind)[0]
+    one = {"all_to_all": 1, "all_gather": 1}
+    assert all(step in ({}, one) for step in exchanges), exchanges
+    assert exchanges.count(one) >= 4
+
+
 def _engine_steps(steps: int) -> dict:
     """The engine's side of the contract, with the real ZeRO stage 0 optimizer: say before each
     backward whether gradients are to be averaged, and step."""

@@ -110,29 +110,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _steps_taken(self) -> int:
         return max((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
 
-    def _average(self, p: torch.Tensor, tensor: torch.Tensor, group: dict[str, Any]) -> None:
-        """Average `tensor` (p's momentum or gradient) in place over the ranks, in 1 bit with p's
-        error feedback, then apply the group's `exp_avg_mask`: 1 bit cannot say 0, so entries
-        that must stay zero would otherwise keep collecting error."""
-        world = self._world_size()
-        if world > 1:
-            if p not in self._errors:
-                self._errors[p] = error_buffers(p.numel(), world, p.device)
-            compressed_allreduce(tensor, *self._errors[p], group=self.process_group)
-        if "exp_avg_mask" in group:
-            if group["exp_avg_mask"].device != tensor.device:  # moved once, not every step
-                group["exp_avg_mask"] = group["exp_avg_mask"].to(tensor.device)
-            tensor.mul_(group["exp_avg_mask"])
-
     def _average_group(
         self, index: int, tensors: list[torch.Tensor], group: dict[str, Any]
     ) -> None:
-        """Average a param group's tensors in place as one flat 1-bit exchange, with the group's
-        error feedback; `exp_avg_mask` applies per tensor as in `_average`."""
+        """Average a param group's tensors (momenta, gradients or progress) in place over the
+        ranks as one flat 1-bit exchange, with error feedback kept per group and size; then apply
+        the group's `exp_avg_mask` to each: 1 bit cannot say 0, so entries that must stay zero
+        would otherwise keep collecting error."""
         world = self._world_size()
         if world > 1:
             flat = torch.cat([t.reshape(-1) for t in tensors])
-            key = ("group", index)
+            key = ("group", index, flat.numel())
             if key not in self._errors:
                 self._errors[key] = error_buffers(flat.numel(), world, flat.device)
             compressed_allreduce(flat, *self._errors[key], group=self.process_group)
@@ -144,9 +132,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for t in tensors:
                 t.mul_(group["exp_avg_mask"])
 
-    def _reset_errors(self, p: torch.Tensor) -> None:
-        for error in self._errors.get(p, ()):
-            error.zero_()
+    def _reset_group_errors(self, index: int) -> None:
+        for key, errors in self._errors.items():
+            if key[:2] == ("group", index):
+                for error in errors:
+                    error.zero_()
 
     @staticmethod
     def _gradients(group: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -336,7 +326,8 @@ class ZeroOneAdam(CompressedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
+            variance, local = [], []
             for p, grad in self._gradients(group):
                 state = self.state[p]
                 if not state:
@@ -351,67 +342,79 @@ class ZeroOneAdam(CompressedOptimizer):
                         local_step_counter=0,
                     )
                 state["step"] += 1
-                if state["step"] <= self.var_freeze_step:
-                    self._lazy_variance_step(p, grad, state, group)
-                else:
-                    self._local_step(p, grad, state, group)
+                phase = variance if state["step"] <= self.var_freeze_step else local
+                phase.append((p, grad, state))
+            # Each phase's exchanges for the whole group go as one flat 1-bit all-reduce.
+            self._lazy_variance_steps(index, group, variance)
+            self._local_steps(index, group, local)
         return loss
 
-    def _lazy_variance_step(
-        self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    def _lazy_variance_steps(
+        self, index: int, group: dict[str, Any], steps: list[tuple[torch.Tensor, ...]]
     ) -> None:
         beta1, beta2 = group["betas"]
-        step, m, v = int(state["step"]), state["exp_avg"], state["exp_avg_sq"]
-        if step % state["var_interval"] == 0:  # the engine averaged this gradient
-            v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-            state["var_steps"] += 1
-            state["var_counter"] += 1
-            if state["var_counter"] == self.var_update_scaler:
-                state["var_counter"] = 0
-                state["var_interval"] *= 2
-        else:
-            grad = grad.clone()
-            self._average(p, grad, group)
-        m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-        denom = self._denominator(v, group, int(state["var_steps"]))
-        if group["weight_decay"]:
-            p.mul_(1.0 - group["lr"] * group["weight_decay"])
-        p.addcdiv_(m, denom, value=-self._step_size(group, step))
+        # On a variance step the engine averaged the gradient; otherwise it is the rank's own.
+        own = [(p, g.clone(), s) for p, g, s in steps if s["step"] % s["var_interval"]]
+        if own:
+            self._average_group(index, [g for _, g, _ in own], group)
+        averaged = {p: g for p, g, _ in own}
+        for p, grad, state in steps:
+            step, m, v = int(state["step"]), state["exp_avg"], state["exp_avg_sq"]
+            if p in averaged:
+                grad = averaged[p]
+            else:
+                v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+                state["var_steps"] += 1
+                state["var_counter"] += 1
+                if state["var_counter"] == self.var_update_scaler:
+                    state["var_counter"] = 0
+                    state["var_interval"] *= 2
+            m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+            denom = self._denominator(v, group, int(state["var_steps"]))
+            if group["weight_decay"]:
+                p.mul_(1.0 - group["lr"] * group["weight_decay"])
+            p.addcdiv_(m, denom, value=-self._step_size(group, step))
 
-    def _local_step(
-        self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
+    def _local_steps(
+        self, index: int, group: dict[str, Any], steps: list[tuple[torch.Tensor, ...]]
     ) -> None:
         beta1 = group["betas"][0]
-        step, m, v = int(state["step"]), state["exp_avg"], state["exp_avg_sq"]
-        if "synced_params" not in state:
-            # First local step: the ranks' parameters are equal; the errors so far were of
-            # gradients, from now on they are of parameter progress.
-            state["synced_params"] = p.detach().clone()
-            state["synced_lr_sum"] = 0.0
-            self._reset_errors(p)
-        m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-        denom = self._denominator(v, group, int(state["var_steps"]))
-        step_size = self._step_size(group, step)
-        if group["weight_decay"]:
-            p.mul_(1.0 - group["lr"] * group["weight_decay"])
-        p.addcdiv_(m, denom, value=-step_size)
-        state["synced_lr_sum"] = float(state["synced_lr_sum"]) + step_size
-        if step % state["local_step_interval"] == 0:
-            # Progress since the last sync, in momentum units, averaged over the ranks; every
-            # rank then starts again from the same parameters and momentum.
+        syncing = []
+        for p, grad, state in steps:
+            step, m, v = int(state["step"]), state["exp_avg"], state["exp_avg_sq"]
+            if "synced_params" not in state:
+                # First local step: the ranks' parameters are equal; the errors so far were of
+                # gradients, from now on they are of parameter progress.
+                state["synced_params"] = p.detach().clone()
+                state["synced_lr_sum"] = 0.0
+                self._reset_group_errors(index)
+            m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+            denom = self._denominator(v, group, int(state["var_steps"]))
+            step_size = self._step_size(group, step)
+            if group["weight_decay"]:
+                p.mul_(1.0 - group["lr"] * group["weight_decay"])
+            p.addcdiv_(m, denom, value=-step_size)
+            state["synced_lr_sum"] = float(state["synced_lr_sum"]) + step_size
+            if step % state["local_step_interval"] == 0:
+                syncing.append((p, state, denom))
+            state["local_step_counter"] += 1
+            if state["local_step_counter"] == self.local_step_scaler:
+                state["local_step_counter"] = 0
+                state["local_step_interval"] = min(
+                    self.local_step_clipper, state["local_step_interval"] * 2
+                )
+        if not syncing:
+            return
+        # Progress since the last sync, in momentum units, averaged over the ranks; every rank
+        # then starts again from the same parameters and momentum.
+        progress = [(p - s["synced_params"]).mul_(denom) for p, s, denom in syncing]
+        self._average_group(index, progress, group)
+        for (p, state, denom), moved in zip(syncing, progress):
             anchor = state["synced_params"]
-            progress = (p - anchor).mul_(denom)
-            self._average(p, progress, group)
-            m.copy_(progress).div_(-state["synced_lr_sum"])
-            p.copy_(anchor).addcdiv_(progress, denom)
+            state["exp_avg"].copy_(moved).div_(-state["synced_lr_sum"])
+            p.copy_(anchor).addcdiv_(moved, denom)
             anchor.copy_(p)
             state["synced_lr_sum"] = 0.0
-        state["local_step_counter"] += 1
-        if state["local_step_counter"] == self.local_step_scaler:
-            state["local_step_counter"] = 0
-            state["local_step_interval"] = min(
-                self.local_step_clipper, state["local_step_interval"] * 2
-            )
 
 
 def _check_hyperparameters(name: str, defaults: dict[str, Any]) -> None:
