@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import common
-from common import BENCH_MD, machine_busy_s, versions
+from common import BENCH_MD, machine_busy_s
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
@@ -775,50 +775,38 @@ def write(
             + "."
         )
     notes += plain_notes(summary, tuned["loads"], args.max_window_load)
-    notes += [f"- {note}" for note in args.note]
-    section = "\n".join(
-        [
-            SECTION_TITLE,
-            "",
-            f"Date: {saved['date']}. Machine: {common.machine_desc()}. Versions: {versions()}.",
-            "",
-            f"Command (from the repository root): `.venv/bin/{command}` (total run time "
-            f"{total:.0f}s)"
-            + (
-                "; this section was rendered again from that run's saved `results.json` "
-                "(`--from-results`)"
-                if args.from_results
-                else ""
-            )
-            + ". The tuner's own command: `shardspeed --num_procs 2 --autotuning tune "
-            "examples/train_gpt.py --deepspeed_config ds_config_tune.json --out TMP/run` "
-            "(plus `--master_port`).",
-            "",
-            f"Chosen: **{chosen}**. Throughput chosen / default (z2_mbs16_gas1): **{ratio:.3f}** "
-            f"({medians['chosen']:.1f} / {medians['default']:.1f} samples/s, per-round ratios "
-            f"{', '.join(f'{r:.3f}' for r in per_round)}).",
-            "",
-            f"Planner estimate error, mean |error| over the {errors['scored']} trials after "
-            f"calibration: throughput **{share(errors['throughput'])}** (largest "
-            f"{100 * errors['throughput_max']:.1f}%), each estimate made by the planner "
-            "refitted to the trials before it, as the tuner does; with the fit to the two "
-            f"calibration trials only {share(errors['calibration'])}; the one-point model (the "
-            f"planner before this change) on the same trials {share(errors['one_point'])}; peak "
-            f"memory {share(errors['memory'])}.",
-            "",
-            rounds_table(results, medians),
-            "",
-            "Every trial (in the order run):",
-            "",
-            table,
-            "",
-            "The fitted model: " + "; ".join(model_lines(summary)) + ".",
-            "",
-            "Notes:",
-            "",
-            *notes,
-            "",
-        ]
+    notes += common.note_lines(args)
+    rerendered = (
+        "; this section was rendered again from that run's saved `results.json` (`--from-results`)"
+        if args.from_results
+        else ""
+    )
+    blocks = [
+        f"Chosen: **{chosen}**. Throughput chosen / default (z2_mbs16_gas1): **{ratio:.3f}** "
+        f"({medians['chosen']:.1f} / {medians['default']:.1f} samples/s, per-round ratios "
+        f"{', '.join(f'{r:.3f}' for r in per_round)}).",
+        f"Planner estimate error, mean |error| over the {errors['scored']} trials after "
+        f"calibration: throughput **{share(errors['throughput'])}** (largest "
+        f"{100 * errors['throughput_max']:.1f}%), each estimate made by the planner "
+        "refitted to the trials before it, as the tuner does; with the fit to the two "
+        f"calibration trials only {share(errors['calibration'])}; the one-point model (the "
+        f"planner before this change) on the same trials {share(errors['one_point'])}; peak "
+        f"memory {share(errors['memory'])}.",
+        rounds_table(results, medians),
+        ("Every trial (in the order run):", table),
+        "The fitted model: " + "; ".join(model_lines(summary)) + ".",
+    ]
+    section = common.section_text(
+        SECTION_TITLE,
+        command,
+        total,
+        blocks,
+        notes,
+        date=saved["date"],
+        command_tail=rerendered
+        + ". The tuner's own command: `shardspeed --num_procs 2 --autotuning tune "
+        "examples/train_gpt.py --deepspeed_config ds_config_tune.json --out TMP/run` "
+        "(plus `--master_port`)",
     )
     common.write_markdown(section, SECTION_TITLE, BENCH_MD)
 
@@ -854,7 +842,7 @@ def main(argv=None) -> int:
         help="reruns of the tuner when other load disturbed it (default 2)",
     )
     p.add_argument("--note", action="append", default=[], help="a line for the written notes")
-    p.add_argument("--smoke", action="store_true", help="stages 0 and 3, 1 round; no --write")
+    common.add_smoke_arg(p, help="stages 0 and 3, 1 round; no --write")
     common.add_noise_args(p, budget=300.0)
     p.add_argument(
         "--max-window-load",
@@ -876,10 +864,7 @@ def main(argv=None) -> int:
         "(its temporary directory must still exist)",
     )
     args = p.parse_args(argv)
-    if args.smoke:
-        if args.write:
-            p.error("--smoke figures are not benchmarks: no --write")
-        args.rounds, args.steps, args.wait_idle, args.tune_retries = 1, 5, 0, 0
+    common.apply_smoke(p, args, rounds=1, steps=5, wait_idle=0, tune_retries=0)
     return orchestrate(args)
 
 

@@ -30,14 +30,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import json
 import os
 import pickle
-import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +42,7 @@ import zipfile
 from pathlib import Path
 
 import common
-from common import BENCH_MD, SEQ, VOCAB, build_model, make_batches, versions
+from common import BENCH_MD, SEQ, VOCAB, build_model, make_batches, shardspeed_commit
 
 HERE = Path(__file__).resolve()
 SECTION_TITLE = "## Checkpoint save and load"
@@ -289,10 +286,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(args.threads)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dist.init_process_group("gloo")
+    rank, world = common.worker_setup(args.threads)
     n_params = apply_shape(spec["shape"])
     if ours:
         import shardspeed as lib
@@ -432,18 +426,6 @@ def filesystem_of(path: Path) -> str:
     except OSError:
         pass
     return f"{best[1]} on {best[2]}"
-
-
-def shardspeed_commit() -> str:
-    """This checkout's commit and whether src/ has uncommitted changes (read-only git)."""
-
-    def git(*a: str) -> str:
-        proc = subprocess.run(["git", *a], cwd=common.REPO, capture_output=True, text=True)
-        return proc.stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD") or "?"
-    dirty = " plus uncommitted changes under src/" if git("status", "--porcelain", "src") else ""
-    return f"shardspeed from src/ at commit {head}{dirty}"
 
 
 def run_plan(args, spec: dict, tmp: Path):
@@ -591,24 +573,11 @@ def tables(results: dict, errors: dict) -> tuple[str, str, str]:
     return ratio_table, mode_table, files_table
 
 
-def without_notes(argv: list[str]) -> list[str]:
-    """The command line less its --note texts (they are in the written notes)."""
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i] == "--note":
-            i += 2
-            continue
-        if not argv[i].startswith("--note="):
-            out.append(argv[i])
-        i += 1
-    return out
-
-
 def orchestrate(args) -> int:
     shape = SMALL_SHAPE if args.small else FULL_SHAPE
     repeats = args.repeats or (1 if args.small else REPEATS)
     n_params = apply_shape(shape)
-    cmd = shlex.join(["python", "benchmarks/bench_checkpoint.py", *without_notes(sys.argv[1:])])
+    cmd = common.command_line("bench_checkpoint.py")
     base = Path(args.dir or tempfile.gettempdir()).resolve()
     tmp = Path(tempfile.mkdtemp(prefix="bench_ckpt_", dir=base))
     ckpt_dir = tmp / "checkpoints"
@@ -645,9 +614,7 @@ def orchestrate(args) -> int:
         print(
             f"{mode}: also in the save directory: " + ", ".join(f"{n} ({s:,} B)" for n, s in extra)
         )
-    print(f"\ntotal benchmark time {total:.0f}s; worker logs in {tmp}")
-    for mode, e in errors.items():
-        print(f"\n--- {mode} failed: {e['error']} ---\n{e.get('log', '')}")
+    common.print_run_end(total, tmp, errors)
     if args.write:
         where = f"`{base}` ({fs})"
         write_section(args, cmd, n_params, shape, repeats, where, total, results, errors, discarded)
@@ -657,7 +624,6 @@ def orchestrate(args) -> int:
 
 def write_section(args, cmd, n_params, shape, repeats, where, total, results, errors, discarded):
     ratio_table, mode_table, files_table = tables(results, errors)
-    today = datetime.date.today().isoformat()
     outside = sorted(
         {n for r in results.values() for n, _s in r.get("outside_tag", []) if "bench_r" not in n}
     )
@@ -727,42 +693,23 @@ def write_section(args, cmd, n_params, shape, repeats, where, total, results, er
         f"run's ranks (from /proc/stat), in cores; kernel threads writing the files back count "
         f"there too. {len(discarded)} run(s) rerun for more than {args.max_other_load} cores, "
         f"{noisy} noisy run(s) kept (marked *).",
-        *(f"- {line}" for line in args.note or []),
-        *(f"- {m} failed: {e['error']} (see the worker log)." for m, e in errors.items()),
+        *common.note_lines(args),
+        *common.error_notes(errors, markers=()),
     ]
-    section = "\n".join(
-        [
-            SECTION_TITLE,
-            "",
-            f"Date: {today}. Machine: {common.machine_desc()}. Versions: {versions()}.",
-            "",
-            f"Command (from the repository root): `.venv/bin/{cmd}` (total run time {total:.0f}s).",
-            "",
-            ratio_table,
-            "",
-            "Per mode:",
-            "",
-            mode_table,
-            "",
+    blocks = [
+        ratio_table,
+        ("Per mode:", mode_table),
+        (
             "What each writes (first repeat, rank 0's view of the tag directory; MiB = 2**20 bytes):",
-            "",
             files_table,
-            "",
-            "Notes:",
-            "",
-            *notes,
-            "",
-        ]
-    )
+        ),
+    ]
+    section = common.section_text(SECTION_TITLE, cmd, total, blocks, notes)
     common.write_markdown(section, SECTION_TITLE, BENCH_MD)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    p = common.parser(__doc__, MODES, profile_dir=False, orchestration=False)
     p.add_argument("--warmup", type=int, default=0, help=argparse.SUPPRESS)  # from run_one
     p.add_argument(
         "--steps", type=int, default=1, help="training steps before the first save (default 1)"
@@ -794,10 +741,7 @@ def main(argv=None) -> int:
         help="load from the page cache instead of dropping the tag's pages before each load",
     )
     common.add_noise_args(p, budget=900.0)
-    p.add_argument("--write", action="store_true", help=f"update {BENCH_MD.name}")
-    p.add_argument(
-        "--note", action="append", help="a line added to the notes of the written section"
-    )
+    common.add_write_args(p)
     p.set_defaults(retries=None)  # 1, or 0 with --small (a smoke run is not worth rerunning)
     args = p.parse_args(argv)
     if args.retries is None:

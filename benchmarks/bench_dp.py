@@ -18,12 +18,9 @@ See benchmarks/README.md.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import common
@@ -38,7 +35,6 @@ from common import (
     VOCAB,
     build_model,
     make_batches,
-    versions,
 )
 
 HERE = Path(__file__).resolve()
@@ -75,9 +71,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(args.threads)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world = common.worker_setup(args.threads, init=False)
     if world > 1:
         dist.init_process_group("gloo")
 
@@ -140,28 +134,12 @@ def worker(args) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def run_one(mode: str, world: int, args, tmp: Path, tag: str, profile_dir: str | None = None):
-    return common.run_one(HERE, mode, world, args, tmp, tag, profile_dir)
-
-
 def measure(args):
     plan = []
     if not args.skip_ws1:
         plan += [(m, 1) for m in WS1_MODES if m in args.modes]
     plan += [(m, 2) for m in WS2_MODES if m in args.modes]
     return common.measure(HERE, plan, args, prefix="bench_dp_")
-
-
-def summarize(results, errors, args, total_s):
-    return common.summarize(results, errors, COMPARISONS)
-
-
-def machine_desc(args) -> str:
-    return common.machine_desc()
-
-
-def write_markdown(section: str) -> None:
-    common.write_markdown(section, SECTION_TITLE, BENCH_MD)
 
 
 def orchestrate(args) -> int:
@@ -171,7 +149,7 @@ def orchestrate(args) -> int:
 
     del torch
     n_params = sum(p.numel() for p in build_model().parameters())
-    cmd = " ".join(["python", "benchmarks/bench_dp.py", *sys.argv[1:]])
+    cmd = common.command_line("bench_dp.py")
     print(
         f"model: {n_params / 1e6:.2f}M params, seq {SEQ}, micro batch {args.micro_batch}, "
         f"{args.warmup} warm-up + {args.steps} timed steps, {args.rounds} rounds, "
@@ -179,20 +157,15 @@ def orchestrate(args) -> int:
         flush=True,
     )
     results, errors, total, tmp, discarded = measure(args)
-    rows, ratio_table, mode_table = summarize(results, errors, args, total)
+    rows, ratio_table, mode_table = common.summarize(results, errors, COMPARISONS)
     print()
     print(ratio_table)
     print()
     print(mode_table)
     load_line = common.load_line(results, discarded, args)
-    print(f"\n{load_line}")
-    print(f"total benchmark time {total:.0f}s; worker logs in {tmp}")
-    for (mode, world), e in errors.items():
-        print(f"\n--- {mode} ws{world} failed: {e['error']} ---\n{e['log']}")
+    common.print_run_end(total, tmp, errors, load_line=load_line)
 
     if args.write:
-        today = datetime.date.today().isoformat()
-        missed = [r["label"] for r in rows if r["verdict"] == "MISSED"]
         notes = [
             f"- Model: GPT-style LM, {n_params / 1e6:.2f}M parameters (vocab {VOCAB}, d_model {D_MODEL}, "
             f"{N_LAYERS} layers, {N_HEADS} heads, seq {SEQ}), fp32, fixed seed; synthetic token batches "
@@ -218,72 +191,23 @@ def orchestrate(args) -> int:
             "used during each timed window by anything other than that run's ranks (from /proc/stat "
             "minus the ranks' own CPU time), in cores; high values mean that round is noisy.",
         ]
-        notes.append(f"- This run: {load_line}")
-        spread = common.spread_note(results)
-        if spread:
-            notes.append(spread)
-        if missed:
-            notes.append("- Targets missed: " + "; ".join(missed) + ".")
-        if errors:
-            for (mode, world), e in errors.items():
-                notes.append(
-                    f"- {mode} at world size {world} failed: {e['error']} (see the worker log)."
-                )
-        section = "\n".join(
-            [
-                SECTION_TITLE,
-                "",
-                f"Date: {today}. Machine: {machine_desc(args)}. Versions: {versions()}.",
-                "",
-                f"Command (from the repository root): `.venv/bin/{cmd}` "
-                f"(total run time {total:.0f}s).",
-                "",
-                ratio_table,
-                "",
-                "Per mode:",
-                "",
-                mode_table,
-                "",
-                "Notes:",
-                "",
-                *notes,
-                "",
-            ]
+        notes += common.closing_notes(
+            load_line, results, rows, args, errors, ratios=False, with_world=True, markers=()
         )
-        write_markdown(section)
+        blocks = [ratio_table, ("Per mode:", mode_table)]
+        section = common.section_text(SECTION_TITLE, cmd, total, blocks, notes)
+        common.write_markdown(section, SECTION_TITLE, BENCH_MD)
         print(f"\nupdated {BENCH_MD}")
     return 1 if errors else 0
 
 
 def profile_mode(args) -> int:
     """Profile rank 0 of ours and of DDP (plain and fused AdamW) at world size 2."""
-    tmp = Path(tempfile.mkdtemp(prefix="bench_dp_prof_"))
-    pdir = Path(args.profile_out or tmp / "profiles")
-    for mode in ("ddp", "ddp_fused", "ours"):
-        r = run_one(mode, 2, args, tmp, "prof", profile_dir=str(pdir))
-        if "error" in r:
-            print(f"{mode}: FAILED {r['error']}\n{r['log']}")
-            continue
-        print(
-            f"{mode} ws2 (profiled): {r['tokens_per_s']:.0f} tok/s, {r['step_ms']:.0f} ms/step, "
-            f"other load {r['foreign_cores']:.2f} cores"
-        )
-    print(f"profiles written to {pdir}")
-    return 0
+    return common.profile_modes(HERE, ("ddp", "ddp_fused", "ours"), args, "bench_dp_prof_")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--worker",
-        choices=["ours", "torch", "ddp", "deepspeed", "torch_fused", "ddp_fused"],
-        help=argparse.SUPPRESS,
-    )
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--profile-dir", help=argparse.SUPPRESS)
-    common.add_orchestration_args(p)
+    p = common.parser(__doc__, ["ours", "torch", "ddp", "deepspeed", "torch_fused", "ddp_fused"])
     p.add_argument(
         "--modes",
         nargs="+",

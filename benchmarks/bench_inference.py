@@ -31,13 +31,11 @@ See benchmarks/README.md.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import datetime
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -47,9 +45,7 @@ from pathlib import Path
 import torch
 
 import common
-from bench_tp import error_line, without_notes
-from bench_zero import shardspeed_source
-from common import BENCH_MD, versions
+from common import BENCH_MD, shardspeed_source, versions
 
 HERE = Path(__file__).resolve()
 SECTION_TITLE = "## Inference: hybrid engine, inference engine, continuous batching and TP"
@@ -752,9 +748,7 @@ def worker(args) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch.distributed as dist
 
-    torch.set_num_threads(args.threads)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world = common.worker_setup(args.threads, init=False)
     if world > 1 or args.worker in ("zero3", "zero3_tp2", "deepspeed_zero3", "tp"):
         dist.init_process_group("gloo")
 
@@ -1519,7 +1513,7 @@ def orchestrate(args) -> int:
     model = build_model()
     n_params = sum(p.numel() for p in model.parameters())
     del model
-    cmd = shlex.join(["python", "benchmarks/bench_inference.py", *without_notes(sys.argv[1:])])
+    cmd = common.command_line("bench_inference.py")
     sh = shape()
     print(
         f"model: Hugging Face GPT2LMHeadModel, {n_params / 1e6:.2f}M params (n_embd {N_EMBD}, "
@@ -1553,22 +1547,21 @@ def orchestrate(args) -> int:
     report["merged"] = merged
     report["made_now"] = [k for k, *_ in PLAN if k in args.runs]
     print_report(report)
-    print(f"total benchmark time {total:.0f}s; worker logs in {tmp}")
-    for key, r in runs.items():
-        if "error" in r:
-            print(f"\n--- {key} failed: {r['error']} ---\n{r['log']}")
+    common.print_run_end(total, tmp, failed_runs(runs))
     if args.save_json:
         saved = {"report": report, "cmd": cmd, "date": datetime.date.today().isoformat()}
         Path(args.save_json).write_text(json.dumps(saved, default=str))
         print(f"saved the results to {args.save_json}")
-    if shardspeed_source() != source:
-        print(
-            f"\nWARNING: the shardspeed source changed during the run (now: {shardspeed_source()})"
-        )
+    common.warn_if_source_changed(source)
     if args.write:
         write_section(args, cmd, report)
         print(f"\nupdated {BENCH_MD}")
     return exit_status(report)
+
+
+def failed_runs(runs: dict) -> dict:
+    """The runs that failed, by key (their results hold the error and the log)."""
+    return {key: r for key, r in runs.items() if "error" in r}
 
 
 def build_report(runs, plan, source, args, total, n_params) -> dict:
@@ -1718,48 +1711,37 @@ def write_section(args, cmd: str, report: dict) -> None:
             + (f", {merged['source']}" if merged.get("source") else "")
             + "), read back from its `--save-json` file with `--merge`."
         )
-    notes.extend(f"- {line}" for line in args.note or [])
-    for key, r in runs.items():
-        if "error" in r:
-            notes.append(f"- {error_line(key, r)}.")
-    today = datetime.date.today().isoformat()
-    section = "\n".join(
-        [
-            SECTION_TITLE,
-            "",
-            f"Date: {today}. Machine: {common.machine_desc()}. Versions: {versions()}, "
-            f"transformers {_version('transformers')}. {report['source']}.",
-            "",
-            f"Command (from the repository root): `.venv/bin/{cmd}` (total run time "
-            f"{report['total']:.0f}s).",
-            "",
+    notes += common.note_lines(args)
+    notes += common.error_notes(failed_runs(runs))
+    blocks = [
+        (
             "1. ZeRO-3 on 2 ranks: naive generation through the ZeRO-3 hooks against the hybrid "
             f"engine (tokens/s of both ranks together; prompts {PROMPT} tokens, {sh['new']} new):",
-            "",
             zero3_table(report["zero3_rows"]),
-            "",
+        ),
+        (
             f"2. One process, 1 thread (prompts {PROMPT} tokens, {sh['new']} new):",
-            "",
             single_table(report["single_rows"]),
-            "",
+        ),
+        (
             "3. Continuous against static batching, mixed-length workload (one process, 1 thread):",
-            "",
             batching_table(report["batching_rows"], bd) if bd else "-",
-            "",
+        ),
+        (
             f"4. Tensor parallelism 2 against 1, latency at batch 1 (prompt {PROMPT} tokens, "
             f"{sh['new']} new):",
-            "",
             tp_table(report["tp_rows"]),
-            "",
-            "Runs:",
-            "",
-            report["runs_table"],
-            "",
-            "Notes:",
-            "",
-            *notes,
-            "",
-        ]
+        ),
+        ("Runs:", report["runs_table"]),
+    ]
+    section = common.section_text(
+        SECTION_TITLE,
+        cmd,
+        report["total"],
+        blocks,
+        notes,
+        source=report["source"],
+        versions_text=f"{versions()}, transformers {_version('transformers')}",
     )
     common.write_markdown(section, SECTION_TITLE, BENCH_MD)
 
@@ -1774,13 +1756,7 @@ def _version(name: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--profile-dir", help=argparse.SUPPRESS)
-    common.add_orchestration_args(p)  # --steps: timed repetitions; --warmup: warm-up calls
+    p = common.parser(__doc__)  # --steps: timed repetitions; --warmup: warm-up calls
     p.set_defaults(warmup=1, steps=3)
     p.add_argument(
         "--runs",
@@ -1790,12 +1766,7 @@ def main(argv=None) -> int:
         help="runs to make (default all)",
     )
     common.add_noise_args(p, budget=600.0)
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="a quick check that every run works: 4 new tokens, a small workload, 1 repetition, "
-        "no idle wait, no reruns (figures meaningless; refuses --write)",
-    )
+    common.add_smoke_arg(p, "every run works: 4 new tokens, a small workload, 1 repetition")
     p.add_argument("--write", action="store_true", help=f"update {BENCH_MD.name}")
     p.add_argument("--save-json", help="also write the results to this JSON file")
     p.add_argument(
@@ -1803,19 +1774,14 @@ def main(argv=None) -> int:
         help="a --save-json file of an earlier invocation: the runs not made now are taken from "
         "it (to redo a disturbed run without redoing the others)",
     )
-    p.add_argument(
-        "--note", action="append", help="a line added to the notes of the written section"
-    )
+    p.add_argument("--note", action="append", help=common.NOTE_HELP)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
+    common.apply_smoke(p, args, warmup=1, steps=1, wait_idle=0.0, retries=0)
     if args.smoke:
-        if args.write:
-            p.error("--smoke figures are not benchmarks: no --write")
         os.environ[SMOKE_ENV] = "1"
-        args.warmup, args.steps = 1, 1
-        args.wait_idle, args.retries = 0.0, 0
     return orchestrate(args)
 
 

@@ -26,12 +26,9 @@ See benchmarks/README.md.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -44,17 +41,9 @@ from torch import nn
 
 import common
 from bench_pipe import BASE_SEED, MIB, Embedding, global_batches, head, loss_fn, med
-from bench_tp import (
-    CommCounter,
-    current_rss_mib,
-    error_line,
-    local_numel,
-    pair,
-    rank_values,
-    without_notes,
-)
-from bench_zero import KINDS, Census, census_deepspeed, census_fsdp2, shardspeed_source
-from common import BENCH_MD, CLIP, D_MODEL, LR, N_HEADS, SEQ, VOCAB, versions
+from bench_tp import CommCounter, current_rss_mib, local_numel, pair, rank_values
+from bench_zero import KINDS, Census, census_deepspeed, census_fsdp2
+from common import BENCH_MD, CLIP, D_MODEL, LR, N_HEADS, SEQ, VOCAB, ratio_text, shardspeed_source
 
 HERE = Path(__file__).resolve()
 SECTION_TITLE = "## Mixture of experts: expert parallelism (EP2) vs data parallelism"
@@ -261,10 +250,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     comm = A2ACounter(dist)  # before shardspeed or DeepSpeed binds any collective
-    torch.set_num_threads(args.threads)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dist.init_process_group("gloo")
+    rank, world = common.worker_setup(args.threads)
     global_batch = args.micro_batch * world
     n_steps = args.warmup + args.steps
     lo = rank * args.micro_batch
@@ -517,15 +503,7 @@ def comparisons(modes) -> list:
         ("ours_dp", "fsdp2", None, "shardspeed DP vs torch FSDP2"),
         ("deepspeed_ep2", "deepspeed_dp", None, "DeepSpeed EP2 vs DeepSpeed DP (stage 0)"),
     ]
-    return [
-        ((a, WORLD), (b, WORLD), target, label)
-        for a, b, target, label in rows
-        if a in modes and b in modes
-    ]
-
-
-def ratio_text(a, b) -> str:
-    return f"{a / b:.3f}" if a and b else "-"
+    return common.comparisons_among(rows, modes, WORLD)
 
 
 def throughput_table(results, modes) -> str:
@@ -893,7 +871,7 @@ def orchestrate(args) -> int:
     n_params = sum(p.numel() for p in probe.parameters())
     n_expert = sum(p.numel() for n, p in probe.named_parameters() if "deepspeed_experts" in n)
     del probe
-    cmd = shlex.join(["python", "benchmarks/bench_moe.py", *without_notes(sys.argv[1:])])
+    cmd = common.command_line("bench_moe.py")
     modes = list(args.modes)
     print(
         f"model: MoE GPT, {n_params / 1e6:.2f}M params at ep 1 ({n_expert / 1e6:.2f}M in experts; "
@@ -938,16 +916,14 @@ def orchestrate(args) -> int:
         print(f"\n{title}:\n\n{report[key]}")
     print("\nLosses:\n" + "\n".join(f"- {line}" for line in loss_lines))
     print("\n".join(report["findings"]))
-    print(f"\n{report['load_line']}")
-    print(f"total benchmark time {total:.0f}s; worker logs in {tmp}")
-    for (mode, world), e in errors.items():
-        print(f"\n--- {mode} ws{world} failed: {e['error']} ---\n{e['log']}")
-    if not losses_ok:
-        print("\nLOSS CHECK FAILED (see 'Losses' above)")
-    if shardspeed_source() != source:
-        print(
-            f"\nWARNING: the shardspeed source changed during the run (now: {shardspeed_source()})"
-        )
+    common.print_run_end(
+        total,
+        tmp,
+        errors,
+        load_line=report["load_line"],
+        losses_ok=losses_ok,
+        source=source,
+    )
     if args.write:
         write_section(args, n_params, n_expert, cmd, total, report)
         print(f"\nupdated {BENCH_MD}")
@@ -984,11 +960,7 @@ def write_section(args, n_params: int, n_expert: int, cmd: str, total: float, re
         "`clip_grad_norm_(..., 1.0)`. Optimizers as in the sections above: shardspeed "
         "`torch.optim.AdamW(fused=True)`, DeepSpeed its C++ CPU FusedAdam, DDP/FSDP2 torch's "
         "default (per-tensor loop).",
-        f"- Each run: {args.warmup} warm-up steps, then {args.steps} timed steps (barrier before "
-        f"and after); tokens/s = {gb} x {SEQ} x steps / time on rank 0. {args.rounds} rounds, "
-        "modes interleaved (order rotated per round); ratios are of medians; per-round ratios "
-        f"pair runs of the same round. Threads: {args.threads} per process; a fresh "
-        "`torch.distributed.run --standalone` process group per run (gloo on CPU).",
+        common.each_run_note(args, gb),
         "- Expert load: after every step (inside the timed window, in every mode) the benchmark "
         "reads the routing of that step summed over both ranks: shardspeed modes through "
         "`engine.expert_load(over_data_parallel=True)` (one small all-reduce per layer), DDP "
@@ -1022,98 +994,35 @@ def write_section(args, n_params: int, n_expert: int, cmd: str, total: float, re
         *(f"  - {line}" for line in report["loss_lines"]),
     ]
     notes.extend(report["findings"])
-    notes.append(f"- This run: {report['load_line']}")
-    spread = common.spread_note(results)
-    if spread:
-        notes.append(spread)
-    missed = [r for r in rows if r["verdict"] == "MISSED"]
-    if missed:
-        notes.append(
-            "- Targets missed: "
-            + "; ".join(f"{r['label']} ({r['ratio']:.3f})" for r in missed)
-            + "."
-        )
-    notes.extend(f"- {line}" for line in args.note or [])
-    for (mode, _world), e in errors.items():
-        notes.append(f"- {error_line(mode, e)}.")
-    today = datetime.date.today().isoformat()
-    section = "\n".join(
-        [
-            SECTION_TITLE,
-            "",
-            f"Date: {today}. Machine: {common.machine_desc()}. Versions: {versions()}. "
-            f"{report['source']}.",
-            "",
-            f"Command (from the repository root): `.venv/bin/{cmd}` (total run time {total:.0f}s).",
-            "",
-            report["ratio_table"],
-            "",
-            "Throughput, every mode (ratios of median tokens/s):",
-            "",
-            report["tp_table"],
-            "",
-            "Per mode:",
-            "",
-            report["mode_table"],
-            "",
-            "Memory per rank:",
-            "",
-            report["mem_table"],
-            "",
-            "Communication (one step, rank 0) and expert load:",
-            "",
-            report["moe_table"],
-            "",
+    notes += common.closing_notes(report["load_line"], results, rows, args, errors)
+    blocks = [
+        report["ratio_table"],
+        ("Throughput, every mode (ratios of median tokens/s):", report["tp_table"]),
+        ("Per mode:", report["mode_table"]),
+        ("Memory per rank:", report["mem_table"]),
+        ("Communication (one step, rank 0) and expert load:", report["moe_table"]),
+        (
             "Time in the MoE layers (rank 0, ms per step: mean over the timed steps, median over "
             "rounds):",
-            "",
             report["time_table"],
-            "",
-            "Notes:",
-            "",
-            *notes,
-            "",
-        ]
-    )
+        ),
+    ]
+    section = common.section_text(SECTION_TITLE, cmd, total, blocks, notes, source=report["source"])
     common.write_markdown(section, SECTION_TITLE, BENCH_MD)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--profile-dir", help=argparse.SUPPRESS)
-    common.add_orchestration_args(p)
+    p = common.parser(__doc__)
     p.set_defaults(warmup=2, steps=6)
-    p.add_argument(
-        "--modes",
-        nargs="+",
-        default=list(MODES),
-        choices=list(MODES),
-        help="modes to run (default all)",
-    )
+    common.add_modes_arg(p, MODES)
     common.add_noise_args(p, budget=300.0)
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="a quick check that every mode runs: 1 round, 1 warm-up + 2 timed steps, no idle "
-        "wait, no reruns (figures meaningless; refuses --write)",
-    )
-    p.add_argument("--write", action="store_true", help=f"update {BENCH_MD.name}")
-    p.add_argument(
-        "--note", action="append", help="a line added to the notes of the written section"
-    )
+    common.add_smoke_arg(p, "every mode runs: 1 round, 1 warm-up + 2 timed steps")
+    common.add_write_args(p)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
-    if args.smoke:
-        if args.write:
-            p.error("--smoke figures are not benchmarks: no --write")
-        args.rounds, args.warmup, args.steps = 1, 1, 2
-        args.wait_idle, args.retries = 0.0, 0
+    common.apply_smoke(p, args, rounds=1, warmup=1, steps=2, wait_idle=0.0, retries=0)
     return orchestrate(args)
 
 

@@ -49,11 +49,8 @@ Options: ``--world 1`` runs stage 1 at world size 1 instead; ``--modes`` a subse
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -245,10 +242,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(args.threads)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dist.init_process_group("gloo")
+    rank, world = common.worker_setup(args.threads)
     set_shape(spec["shape"])
     import shardspeed
 
@@ -338,20 +332,6 @@ def filesystem(path: Path) -> str:
     )
     parts = proc.stdout.split()
     return f"{parts[0]} on {parts[1]}" if proc.returncode == 0 and len(parts) == 2 else "unknown"
-
-
-def commit() -> str:
-    """HEAD and whether src/ differs from it (git commands that write nothing)."""
-
-    def git(*a: str) -> str:
-        proc = subprocess.run(
-            ["git", "--no-optional-locks", *a], cwd=common.REPO, capture_output=True, text=True
-        )
-        return proc.stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD") or "?"
-    dirty = " plus uncommitted changes under src/" if git("status", "--porcelain", "src") else ""
-    return f"shardspeed from src/ at commit {head}{dirty}"
 
 
 def per_step(runs: list[dict], key: str, over_ranks=max) -> list[float]:
@@ -474,7 +454,7 @@ def orchestrate(args) -> int:
     world = args.world
     stage = 2 if world > 1 else 1
     plan = [(m, world) for m in args.modes]
-    cmd = shlex.join(["python", "benchmarks/bench_offload.py", *sys.argv[1:]])
+    cmd = common.command_line("bench_offload.py", keep_notes=True)
     root = Path(tempfile.mkdtemp(prefix="bench_offload_swap_", dir=args.nvme_dir)).resolve()
     fs = filesystem(root)
     spec = {
@@ -494,7 +474,7 @@ def orchestrate(args) -> int:
         f"rank); swap files under {root} ({fs})",
         flush=True,
     )
-    print(commit(), flush=True)
+    print(common.shardspeed_commit(), flush=True)
     try:
         results, errors, total, tmp, discarded = common.measure(
             HERE, plan, args, prefix="bench_offload_", width=14
@@ -506,9 +486,7 @@ def orchestrate(args) -> int:
     print(main)
     print()
     print(detail)
-    print(f"\ntotal benchmark time {total:.0f}s; worker logs in {tmp}")
-    for (mode, _w), e in errors.items():
-        print(f"\n--- {mode} failed: {e['error']} ---\n{e.get('log', '')}")
+    common.print_run_end(total, tmp, errors, with_world=False)
     if args.write:
         where = f"`{args.nvme_dir}` ({fs})"
         write_section(args, cmd, n_params, spec, where, total, results, errors, discarded)
@@ -533,7 +511,7 @@ def write_section(args, cmd, n_params, spec, where, total, results, errors, disc
         f"`N_LAYERS` {shape['N_LAYERS']}, `N_HEADS` {shape['N_HEADS']}; vocab {VOCAB}, seq {SEQ}): "
         f"{n_params:,} parameters, fp32, AdamW (torch's fused CPU kernel), ZeRO stage "
         f"{spec['stage']} at world size {world}, micro batch {args.micro_batch} per rank, "
-        f"{args.threads} thread(s) per process, gloo. {commit()}.",
+        f"{args.threads} thread(s) per process, gloo. {common.shardspeed_commit()}.",
         f"- Config of `nvme_pipelined` (the others differ only in `offload_optimizer`: absent, "
         f'`{{"device": "cpu"}}`, or pipelining off; `aio` only in the NVMe modes): '
         f"`{json.dumps(example)}`. `sub_group_size` {spec['sub_group_size']:,} in every mode, so "
@@ -576,8 +554,8 @@ def write_section(args, cmd, n_params, spec, where, total, results, errors, disc
         f"{len(discarded)} run(s) rerun for more than {args.max_other_load} cores; "
         f"{sum(s['noisy'] for s in sums.values())} mode(s) with a noisy run kept (retries or the "
         "time budget exhausted), marked * after the mode in the first table.",
-        *(f"- {line}" for line in args.note or []),
-        *(f"- {m} failed: {e['error']} (see the worker log)." for (m, _w), e in errors.items()),
+        *common.note_lines(args),
+        *common.error_notes(errors, markers=()),
     ]
     if "none" in sums:
         ratios = ", ".join(
@@ -591,39 +569,17 @@ def write_section(args, cmd, n_params, spec, where, total, results, errors, disc
         summary_line = f"Step time relative to no offload: {ratios}. I/O hidden: {hidden or '-'}."
     else:
         summary_line = "No offload baseline was measured."
-    section = "\n".join(
-        [
-            SECTION_TITLE,
-            "",
-            f"Date: {datetime.date.today().isoformat()}. Machine: {common.machine_desc()}. "
-            f"Versions: {common.versions()}.",
-            "",
-            f"Command (from the repository root): `.venv/bin/{cmd}` (total run time {total:.0f}s).",
-            "",
-            summary_line,
-            "",
-            main,
-            "",
-            "Parts of a step and the I/O (medians per rank and step):",
-            "",
-            detail,
-            "",
-            "Notes:",
-            "",
-            *notes,
-            "",
-        ]
-    )
+    blocks = [
+        summary_line,
+        main,
+        ("Parts of a step and the I/O (medians per rank and step):", detail),
+    ]
+    section = common.section_text(SECTION_TITLE, cmd, total, blocks, notes)
     common.write_markdown(section, SECTION_TITLE, BENCH_MD)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    common.add_orchestration_args(p)
+    p = common.parser(__doc__, MODES, profile_dir=False)
     p.set_defaults(rounds=None, warmup=None, steps=None, micro_batch=None)  # from the preset
     p.add_argument(
         "--small", action="store_true", help="smoke run: the ~5M-parameter model, few steps"
@@ -640,8 +596,7 @@ def main(argv=None) -> int:
     p.add_argument("--buffer-count", type=int, default=4, help="offload buffer_count (default 4)")
     p.add_argument("--nvme-dir", default="/tmp", help="where the swap files go (default /tmp)")
     common.add_noise_args(p, budget=300.0)
-    p.add_argument("--write", action="store_true", help=f"update {BENCH_MD.name}")
-    p.add_argument("--note", action="append", help="a line added to the written notes")
+    common.add_write_args(p, note_help="a line added to the written notes")
     p.set_defaults(retries=None)  # 1, or 0 with --small
     args = p.parse_args(argv)
     if args.retries is None:

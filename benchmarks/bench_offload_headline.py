@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import common
@@ -118,14 +117,7 @@ def main(argv=None) -> int:
     step_s = [max(r["step_s"][i] for r in ranks) for i in range(args.steps)]
     rss = [r["peak_rss"] for r in ranks]
     gib = 2**30
-    lines = [
-        SECTION_TITLE,
-        "",
-        f"Date: {date.today()}. Machine: {common.machine_desc()}. Versions: {common.versions()}.",
-        "",
-        "Command (from the repository root): `.venv/bin/python benchmarks/bench_offload_headline.py"
-        f" --write` (total run time {total:.0f}s).",
-        "",
+    table = [
         "| parameters | fp32 Adam model states (16 B/param) | machine memory | states / memory "
         "| seconds per step (each step) | peak RSS per rank | peak RSS, both ranks | in memory after "
         "the steps, both ranks | on NVMe, both ranks | losses (rank 0) |",
@@ -136,9 +128,8 @@ def main(argv=None) -> int:
         f"{sum(r['in_memory'] for r in ranks) / gib:.1f} GiB | "
         f"{sum(r['on_nvme'] for r in ranks) / gib:.1f} GiB | "
         f"{', '.join(f'{x:.3f}' for x in ranks[0]['losses'])} |",
-        "",
-        "Notes:",
-        "",
+    ]
+    notes = [
         f"- Model: the benchmarks' GPT with d_model {D_MODEL}, {N_LAYERS} layers, {N_HEADS} heads, "
         f"vocab {common.VOCAB}, seq {SEQ}, untied head; fp32 AdamW; micro batch 1 per rank; 2 ranks "
         "(`torch.distributed.run --standalone`, gloo, 1 thread each); built under `zero.Init` "
@@ -151,7 +142,8 @@ def main(argv=None) -> int:
         "over both ranks) and the units in use; the fp32 shards (masters) and the Adam moments are "
         "on disk, read for each gather and around each piece's optimizer step.",
     ]
-    section = "\n".join(lines) + "\n"
+    cmd = "python benchmarks/bench_offload_headline.py --write"
+    section = common.section_text(SECTION_TITLE, cmd, total, ["\n".join(table)], notes)
     print(section)
     if args.write:
         common.write_markdown(section, SECTION_TITLE, common.BENCH_MD)

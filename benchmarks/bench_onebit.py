@@ -27,11 +27,8 @@ See benchmarks/README.md.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -43,9 +40,17 @@ import torch
 import common
 from bench_moe import A2ACounter
 from bench_pipe import GPT, MIB, N_BLOCKS, global_batches, local_numel
-from bench_tp import error_line, without_notes
-from bench_zero import shardspeed_source
-from common import BENCH_MD, D_MODEL, LR, N_HEADS, SEQ, VOCAB, versions
+from common import (
+    BENCH_MD,
+    D_MODEL,
+    LR,
+    N_HEADS,
+    SEQ,
+    VOCAB,
+    error_line,
+    ratio_text,
+    shardspeed_source,
+)
 
 HERE = Path(__file__).resolve()
 SECTION_TITLE = "## 1-bit Adam and 0/1 Adam vs Adam (world size 2)"
@@ -113,10 +118,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     comm = A2ACounter(dist)  # before shardspeed or DeepSpeed binds any collective
-    torch.set_num_threads(args.threads)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dist.init_process_group("gloo")
+    rank, world = common.worker_setup(args.threads)
     freeze = args.warmup - 1
     global_batch = args.micro_batch * world
     n_steps = args.warmup + args.steps
@@ -359,10 +361,6 @@ def fmt_bytes(b: float) -> str:
     return f"{b:.0f} B"
 
 
-def ratio_text(a, b, digits: int = 3) -> str:
-    return f"{a / b:.{digits}f}" if a and b else "-"
-
-
 def time_table(an, modes, freeze: int, n_steps: int) -> str:
     ws = windows(freeze, n_steps)
     lines = [
@@ -542,7 +540,7 @@ def findings(an, args, n_params: int) -> list[str]:
 
 def orchestrate(args) -> int:
     n_params = sum(p.numel() for p in GPT().parameters())
-    cmd = shlex.join(["python", "benchmarks/bench_onebit.py", *without_notes(sys.argv[1:])])
+    cmd = common.command_line("bench_onebit.py")
     modes = list(args.modes)
     n_steps = args.warmup + args.steps
     print(
@@ -590,16 +588,16 @@ def orchestrate(args) -> int:
     print("optimizers as built:", json.dumps(report["settings"]))
     print("comms logger = counted torch.distributed bytes:", json.dumps(report["counter"]))
     print("rank 1 sends what rank 0 sends:", json.dumps(report["rank1"]))
-    print(f"\n{report['load_line']}")
-    print(f"total benchmark time {total:.0f}s; worker logs in {tmp}")
-    for (mode, world), e in errors.items():
-        print(f"\n--- {mode} ws{world} failed: {e['error']} ---\n{e['log'][-1500:]}")
-    if not losses_ok:
-        print("\nLOSS CHECK FAILED (see the losses above)")
-    if shardspeed_source() != source:
-        print(
-            f"\nWARNING: the shardspeed source changed during the run (now: {shardspeed_source()})"
-        )
+    common.print_run_end(
+        total,
+        tmp,
+        errors,
+        load_line=report["load_line"],
+        log_chars=1500,
+        losses_ok=losses_ok,
+        losses_where="the losses above",
+        source=source,
+    )
     if args.write:
         write_section(args, n_params, cmd, total, report)
         print(f"\nupdated {BENCH_MD}")
@@ -696,56 +694,32 @@ def write_section(args, n_params: int, cmd: str, total: float, report: dict) -> 
     notes += [f"  - {line}" for line in report["loss_notes"]]
     notes += report["findings"]
     notes.append(deepspeed_onebit_line(errors))
-    notes.append(f"- This run: {report['load_line']}")
-    spread = common.spread_note(results)
-    if spread:
-        notes.append(spread)
-    notes.extend(f"- {line}" for line in args.note or [])
-    for (mode, _world), e in errors.items():
-        if mode != "deepspeed_onebit":
-            notes.append(f"- {error_line(mode, e)}.")
-    today = datetime.date.today().isoformat()
-    section = "\n".join(
-        [
-            SECTION_TITLE,
-            "",
-            f"Date: {today}. Machine: {common.machine_desc()}. Versions: {versions()}. "
-            f"{report['source']}.",
-            "",
-            f"Command (from the repository root): `.venv/bin/{cmd}` (total run time {total:.0f}s).",
-            "",
+    # DeepSpeed's 1-bit Adam failing has its own note above.
+    others = {k: e for k, e in errors.items() if k[0] != "deepspeed_onebit"}
+    notes += common.closing_notes(report["load_line"], results, [], args, others)
+    blocks = [
+        (
             "Time per step (rank 0; windows: "
             + ", ".join(window_label(k, w) for k, w in ws.items())
             + "):",
-            "",
             report["time_table"],
-            "",
+        ),
+        (
             "Bytes per step and rank (warm-up: a step of the warm-up window; compressed: the "
             "mean over the compressed window):",
-            "",
             report["bytes_table"],
-            "",
+        ),
+        (
             f"Losses (mean over the global batch; F = {f}, T = {n_steps}; first round):",
-            "",
             report["loss_table"],
-            "",
-            "Notes:",
-            "",
-            *notes,
-            "",
-        ]
-    )
+        ),
+    ]
+    section = common.section_text(SECTION_TITLE, cmd, total, blocks, notes, source=report["source"])
     common.write_markdown(section, SECTION_TITLE, BENCH_MD)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--profile-dir", help=argparse.SUPPRESS)
-    common.add_orchestration_args(p)
+    p = common.parser(__doc__)
     # --warmup is set from --freeze-step (the orchestrator passes it to the workers).
     p.set_defaults(warmup=None, steps=16)
     p.add_argument(
@@ -756,35 +730,17 @@ def main(argv=None) -> int:
         f"{FREEZE_STEP}); steps 2..F are the warm-up window, the --steps steps after step F+1 "
         "the compressed (timed) window",
     )
-    p.add_argument(
-        "--modes",
-        nargs="+",
-        default=list(MODES),
-        choices=list(MODES),
-        help="modes to run (default all)",
-    )
+    common.add_modes_arg(p, MODES)
     common.add_noise_args(p, budget=400.0)
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="a quick check that every mode runs: 1 round, freeze step 2, 3 compressed steps, no "
-        "idle wait, no reruns (figures meaningless; refuses --write)",
-    )
-    p.add_argument("--write", action="store_true", help=f"update {BENCH_MD.name}")
-    p.add_argument(
-        "--note", action="append", help="a line added to the notes of the written section"
-    )
+    common.add_smoke_arg(p, "every mode runs: 1 round, freeze step 2, 3 compressed steps")
+    common.add_write_args(p)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
     if args.warmup is not None:
         p.error("--warmup is set by --freeze-step here (freeze step + 1 untimed steps)")
-    if args.smoke:
-        if args.write:
-            p.error("--smoke figures are not benchmarks: no --write")
-        args.rounds, args.freeze_step, args.steps = 1, 2, 3
-        args.wait_idle, args.retries = 0.0, 0
+    common.apply_smoke(p, args, rounds=1, freeze_step=2, steps=3, wait_idle=0.0, retries=0)
     if args.freeze_step < 2 or args.steps < 1:
         p.error("--freeze-step must be >= 2 (a warm-up window) and --steps >= 1")
     args.warmup = args.freeze_step + 1

@@ -24,13 +24,10 @@ See benchmarks/README.md.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import re
 import resource
-import shlex
 import statistics
 import sys
 import time
@@ -41,8 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import common
-from bench_zero import shardspeed_source
-from common import BENCH_MD, CLIP, D_MODEL, LR, N_HEADS, SEQ, VOCAB, versions
+from common import BENCH_MD, CLIP, D_MODEL, LR, N_HEADS, SEQ, VOCAB, shardspeed_source
 
 HERE = Path(__file__).resolve()
 SECTION_TITLE = "## Pipeline parallelism (2 stages) vs data parallelism"
@@ -267,10 +263,7 @@ def worker(args) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch.distributed as dist
 
-    torch.set_num_threads(args.threads)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dist.init_process_group("gloo")
+    rank, world = common.worker_setup(args.threads)
     global_batch = args.micro_batch * world
     n_steps = args.warmup + args.steps
     batches = global_batches(n_steps, global_batch)
@@ -712,19 +705,6 @@ def bubble_report_check(results, modes) -> str | None:
     )
 
 
-def without_notes(argv: list[str]) -> list[str]:
-    """The command line minus its --note texts (they go into the notes)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--note":
-            skip = True
-        elif not a.startswith("--note="):
-            out.append(a)
-    return out
-
-
 def findings(results, modes, bub_rows, n_params) -> list[str]:
     """What the figures say, computed from them: stage balance, the last stage's engine.bubble,
     the idle beyond the balance estimate, the pipeline against data parallelism, memory."""
@@ -879,7 +859,7 @@ def findings(results, modes, bub_rows, n_params) -> list[str]:
 
 def orchestrate(args) -> int:
     n_params = sum(p.numel() for p in GPT().parameters())
-    cmd = shlex.join(["python", "benchmarks/bench_pipe.py", *without_notes(sys.argv[1:])])
+    cmd = common.command_line("bench_pipe.py")
     modes = selected_modes(args)
     print(
         f"model: GPT, {n_params / 1e6:.2f}M params ({N_BLOCKS} blocks, d_model {D_MODEL}, "
@@ -935,16 +915,14 @@ def orchestrate(args) -> int:
         print(report["report_line"])
     print("\n".join(report["findings"]))
     print("partitions (layer boundaries):", json.dumps(partitions))
-    print(f"\n{report['load_line']}")
-    print(f"total benchmark time {total:.0f}s; worker logs in {tmp}")
-    for (mode, world), e in errors.items():
-        print(f"\n--- {mode} ws{world} failed: {e['error']} ---\n{e['log']}")
-    if not losses_ok:
-        print("\nLOSS CHECK FAILED (see 'Losses' above)")
-    if shardspeed_source() != source:
-        print(
-            f"\nWARNING: the shardspeed source changed during the run (now: {shardspeed_source()})"
-        )
+    common.print_run_end(
+        total,
+        tmp,
+        errors,
+        load_line=report["load_line"],
+        losses_ok=losses_ok,
+        source=source,
+    )
     if args.write:
         write_section(args, n_params, cmd, total, report)
         print(f"\nupdated {BENCH_MD}")
@@ -1030,71 +1008,32 @@ def write_section(args, n_params: int, cmd: str, total: float, report: dict) -> 
     if report_line:
         notes.append(f"- {report_line}")
     notes.extend(report["findings"])
-    notes.append(f"- This run: {load_line}")
-    spread = common.spread_note(results)
-    if spread:
-        notes.append(spread)
-    missed = [r for r in rows if r["verdict"] == "MISSED"]
-    if missed:
-        notes.append(
-            "- Targets missed: "
-            + "; ".join(f"{r['label']} ({r['ratio']:.3f})" for r in missed)
-            + "."
-        )
-    notes.extend(f"- {line}" for line in args.note or [])
-    for (mode, world), e in errors.items():
-        lines = e.get("log", "").splitlines()
-        why = [x for x in lines if "Error" in x or "terminate" in x or "exception" in x][:1]
-        notes.append(
-            f"- {mode} at world size {world} failed: {e['error']}"
-            + (f": `{why[0].strip()[:300]}`" if why else "")
-            + " (see the worker log)."
-        )
-    today = datetime.date.today().isoformat()
-    section = "\n".join(
-        [
-            SECTION_TITLE,
-            "",
-            f"Date: {today}. Machine: {common.machine_desc()}. Versions: {versions()}. "
-            f"{report['source']}.",
-            "",
-            f"Command (from the repository root): `.venv/bin/{cmd}` (total run time {total:.0f}s).",
-            "",
-            report["ratio_table"],
-            "",
-            "Throughput, every mode (ratios of median tokens/s):",
-            "",
-            report["tp_table"],
-            "",
-            "Per mode:",
-            "",
-            report["mode_table"],
-            "",
-            "Memory per rank:",
-            "",
-            report["mem_table"],
-            "",
-            "Bubble (idle share of a step; mean over the timed steps, median over rounds):",
-            "",
-            report["bub_table"],
-            "",
-            "Notes:",
-            "",
-            *notes,
-            "",
-        ]
+    notes += common.closing_notes(
+        load_line,
+        results,
+        rows,
+        args,
+        errors,
+        with_world=True,
+        markers=("Error", "terminate", "exception"),
+        width=300,
     )
+    blocks = [
+        report["ratio_table"],
+        ("Throughput, every mode (ratios of median tokens/s):", report["tp_table"]),
+        ("Per mode:", report["mode_table"]),
+        ("Memory per rank:", report["mem_table"]),
+        (
+            "Bubble (idle share of a step; mean over the timed steps, median over rounds):",
+            report["bub_table"],
+        ),
+    ]
+    section = common.section_text(SECTION_TITLE, cmd, total, blocks, notes, source=report["source"])
     common.write_markdown(section, SECTION_TITLE, BENCH_MD)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--profile-dir", help=argparse.SUPPRESS)
-    common.add_orchestration_args(p)
+    p = common.parser(__doc__)
     p.set_defaults(warmup=2, steps=8)
     p.add_argument(
         "--ms",
@@ -1126,16 +1065,8 @@ def main(argv=None) -> int:
         help="data-parallel baselines (default all)",
     )
     common.add_noise_args(p, budget=700.0)
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="a quick check that every mode runs: 1 round, 1 warm-up + 2 timed steps, no idle "
-        "wait, no reruns (figures meaningless; refuses --write)",
-    )
-    p.add_argument("--write", action="store_true", help=f"update {BENCH_MD.name}")
-    p.add_argument(
-        "--note", action="append", help="a line added to the notes of the written section"
-    )
+    common.add_smoke_arg(p, "every mode runs: 1 round, 1 warm-up + 2 timed steps")
+    common.add_write_args(p)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
@@ -1144,11 +1075,7 @@ def main(argv=None) -> int:
     bad = [m for m in args.ms if m < 1 or gb % m or m % WORLD]
     if bad:
         p.error(f"--ms: {bad} must be multiples of {WORLD} dividing the global batch {gb}")
-    if args.smoke:
-        if args.write:
-            p.error("--smoke figures are not benchmarks: no --write")
-        args.rounds, args.warmup, args.steps = 1, 1, 2
-        args.wait_idle, args.retries = 0.0, 0
+    common.apply_smoke(p, args, rounds=1, warmup=1, steps=2, wait_idle=0.0, retries=0)
     return orchestrate(args)
 
 

@@ -30,13 +30,10 @@ See benchmarks/README.md.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 import functools
 import json
 import os
-import shlex
 import statistics
 import sys
 from collections import Counter
@@ -51,8 +48,7 @@ from torch import nn
 import bench_pipe
 import common
 from bench_pipe import BASE_SEED, MIB, N_BLOCKS, Embedding, global_batches, head, loss_fn, med
-from bench_zero import shardspeed_source
-from common import BENCH_MD, CLIP, D_MODEL, LR, N_HEADS, SEQ, VOCAB, versions
+from common import BENCH_MD, CLIP, D_MODEL, LR, N_HEADS, SEQ, VOCAB, ratio_text, shardspeed_source
 
 HERE = Path(__file__).resolve()
 SECTION_TITLE = (
@@ -454,10 +450,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     comm = CommCounter(dist)  # before shardspeed or DeepSpeed binds any collective
-    torch.set_num_threads(args.threads)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dist.init_process_group("gloo")
+    rank, world = common.worker_setup(args.threads)
     global_batch = args.micro_batch * world
     n_steps = args.warmup + args.steps
     batches = global_batches(n_steps + 1, global_batch)  # + 1: the measured step
@@ -644,10 +637,6 @@ def rank_values(results, mode: str, fn) -> list:
     return [statistics.median(fn(run["ranks"][r]) for run in runs) for r in range(WORLD)]
 
 
-def ratio_text(a, b, digits: int = 3) -> str:
-    return f"{a / b:.{digits}f}" if a and b else "-"
-
-
 def comparisons(modes) -> list:
     """Targets where both sides do the same thing (shardspeed against DeepSpeed, DDP, each the
     same technique); information across techniques."""
@@ -666,11 +655,7 @@ def comparisons(modes) -> list:
         ("ours_pp", "ddp", None, "shardspeed PP2 vs torch DDP"),
         ("ours_dp", "fsdp2", None, "shardspeed DP2 vs torch FSDP2"),
     ]
-    return [
-        ((a, WORLD), (b, WORLD), target, label)
-        for a, b, target, label in rows
-        if a in modes and b in modes
-    ]
+    return common.comparisons_among(rows, modes, WORLD)
 
 
 def throughput_table(results, modes) -> str:
@@ -844,10 +829,6 @@ def loss_checks(results, modes) -> tuple[list[str], bool]:
     return lines, ok
 
 
-def without_notes(argv: list[str]) -> list[str]:
-    return bench_pipe.without_notes(argv)
-
-
 def findings(results, modes, rows, n_params) -> list[str]:
     """What the figures say, computed from them."""
     out = []
@@ -991,7 +972,7 @@ def findings(results, modes, rows, n_params) -> list[str]:
 
 def orchestrate(args) -> int:
     n_params = sum(p.numel() for p in GPT().parameters())
-    cmd = shlex.join(["python", "benchmarks/bench_tp.py", *without_notes(sys.argv[1:])])
+    cmd = common.command_line("bench_tp.py")
     modes = list(args.modes)
     print(
         f"model: GPT, {n_params / 1e6:.2f}M params ({N_BLOCKS} blocks, d_model {D_MODEL}, "
@@ -1046,35 +1027,19 @@ def orchestrate(args) -> int:
     print("\n".join(report["findings"]))
     if leaks:
         print("saved tensors still held after backward:", "; ".join(leaks))
-    print(f"\n{report['load_line']}")
-    print(f"total benchmark time {total:.0f}s; worker logs in {tmp}")
-    for (mode, world), e in errors.items():
-        print(f"\n--- {mode} ws{world} failed: {e['error']} ---\n{e['log']}")
-    if not losses_ok:
-        print("\nLOSS CHECK FAILED (see 'Losses' above)")
-    if shardspeed_source() != source:
-        print(
-            f"\nWARNING: the shardspeed source changed during the run (now: {shardspeed_source()})"
-        )
+    common.print_run_end(
+        total,
+        tmp,
+        errors,
+        load_line=report["load_line"],
+        losses_ok=losses_ok,
+        source=source,
+    )
     if args.write:
         write_section(args, n_params, cmd, total, report)
         print(f"\nupdated {BENCH_MD}")
     ours_failed = [m for (m, _w) in errors if MODES[m].lib == "ours"]
     return 1 if ours_failed or not losses_ok else 0
-
-
-def error_line(mode: str, e: dict) -> str:
-    lines = e.get("log", "").splitlines()
-    why = [
-        x
-        for x in lines
-        if ("Error" in x or "error:" in x or "terminate" in x) and "Traceback" not in x
-    ][:1]
-    return (
-        f"{mode} failed: {e['error']}"
-        + (f": `{why[0].strip()[:400]}`" if why else "")
-        + " (see the worker log)"
-    )
 
 
 def write_section(args, n_params: int, cmd: str, total: float, report: dict) -> None:
@@ -1138,11 +1103,7 @@ def write_section(args, n_params: int, cmd: str, total: float, report: dict) -> 
         "the gradients and AdamW's two moments (created at the first step; 3 x 28 MiB on a DP2 "
         "rank, 3 x 16 MiB on a TP2 rank), the activations and the transient tensors of forward "
         "and backward, and what the allocator keeps.",
-        f"- Each run: {args.warmup} warm-up steps, then {args.steps} timed steps (barrier before "
-        f"and after); tokens/s = {gb} x {SEQ} x steps / time on rank 0. {args.rounds} rounds, "
-        "modes interleaved (order rotated per round); ratios are of medians; per-round ratios "
-        f"pair runs of the same round. Threads: {args.threads} per process; a fresh "
-        "`torch.distributed.run --standalone` process group per run (gloo on CPU).",
+        common.each_run_note(args, gb),
         "- Losses (mean over the global batch; data parallelism averaged over the ranks; "
         "shardspeed DP is the reference):",
         *(f"  - {line}" for line in report["loss_lines"]),
@@ -1153,100 +1114,40 @@ def write_section(args, n_params: int, cmd: str, total: float, report: dict) -> 
             "- Saved tensors still held after backward (the meter's accounting): "
             + "; ".join(report["leaks"])
         )
-    notes.append(f"- This run: {report['load_line']}")
-    spread = common.spread_note(results)
-    if spread:
-        notes.append(spread)
-    missed = [r for r in rows if r["verdict"] == "MISSED"]
-    if missed:
-        notes.append(
-            "- Targets missed: "
-            + "; ".join(f"{r['label']} ({r['ratio']:.3f})" for r in missed)
-            + "."
-        )
-    notes.extend(f"- {line}" for line in args.note or [])
-    for (mode, _world), e in errors.items():
-        notes.append(f"- {error_line(mode, e)}.")
-    today = datetime.date.today().isoformat()
-    section = "\n".join(
-        [
-            SECTION_TITLE,
-            "",
-            f"Date: {today}. Machine: {common.machine_desc()}. Versions: {versions()}. "
-            f"{report['source']}.",
-            "",
-            f"Command (from the repository root): `.venv/bin/{cmd}` (total run time {total:.0f}s).",
-            "",
-            report["ratio_table"],
-            "",
-            "Throughput, every mode (ratios of median tokens/s):",
-            "",
-            report["tp_table"],
-            "",
-            "Per mode:",
-            "",
-            report["mode_table"],
-            "",
-            "Memory per rank:",
-            "",
-            report["mem_table"],
-            "",
+    notes += common.closing_notes(report["load_line"], results, rows, args, errors)
+    blocks = [
+        report["ratio_table"],
+        ("Throughput, every mode (ratios of median tokens/s):", report["tp_table"]),
+        ("Per mode:", report["mode_table"]),
+        ("Memory per rank:", report["mem_table"]),
+        (
             "Activation checkpointing (rank 0; step times are medians over rounds):",
-            "",
             report["ckpt_table"],
-            "",
+        ),
+        (
             "Collectives and transfers in one step (counted at the torch.distributed calls, after "
             "the timed steps):",
-            "",
             report["comm_table"],
-            "",
-            "Notes:",
-            "",
-            *notes,
-            "",
-        ]
-    )
+        ),
+    ]
+    section = common.section_text(SECTION_TITLE, cmd, total, blocks, notes, source=report["source"])
     common.write_markdown(section, SECTION_TITLE, BENCH_MD)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--profile-dir", help=argparse.SUPPRESS)
-    common.add_orchestration_args(p)
+    p = common.parser(__doc__)
     p.set_defaults(warmup=2, steps=8)
-    p.add_argument(
-        "--modes",
-        nargs="+",
-        default=list(MODES),
-        choices=list(MODES),
-        help="modes to run (default all)",
-    )
+    common.add_modes_arg(p, MODES)
     common.add_noise_args(p, budget=600.0)
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="a quick check that every mode runs: 1 round, 1 warm-up + 2 timed steps, no idle "
-        "wait, no reruns (figures meaningless; refuses --write)",
-    )
-    p.add_argument("--write", action="store_true", help=f"update {BENCH_MD.name}")
-    p.add_argument(
-        "--note", action="append", help="a line added to the notes of the written section"
-    )
+    common.add_smoke_arg(p, "every mode runs: 1 round, 1 warm-up + 2 timed steps")
+    common.add_write_args(p)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
     if (args.micro_batch * WORLD) % PIPE_M:
         p.error(f"the global batch (2 x --micro-batch) must divide by the pipeline's m={PIPE_M}")
-    if args.smoke:
-        if args.write:
-            p.error("--smoke figures are not benchmarks: no --write")
-        args.rounds, args.warmup, args.steps = 1, 1, 2
-        args.wait_idle, args.retries = 0.0, 0
+    common.apply_smoke(p, args, rounds=1, warmup=1, steps=2, wait_idle=0.0, retries=0)
     return orchestrate(args)
 
 

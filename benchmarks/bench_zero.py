@@ -27,13 +27,9 @@ See benchmarks/README.md.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
-import shlex
 import sys
-import tempfile
 from collections import deque
 from pathlib import Path
 
@@ -49,7 +45,6 @@ from common import (
     VOCAB,
     build_model,
     make_batches,
-    versions,
 )
 
 HERE = Path(__file__).resolve()
@@ -296,10 +291,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(args.threads)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dist.init_process_group("gloo")
+    rank, world = common.worker_setup(args.threads)
 
     model = build_model()
     n_params = sum(p.numel() for p in model.parameters())
@@ -534,31 +526,18 @@ def settings_lines(results) -> list[str]:
     ]
 
 
-def drop_notes(argv: list[str]) -> list[str]:
-    """The command line without its --note texts (they are in the notes already)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--note":
-            skip = True
-        elif not a.startswith("--note="):
-            out.append(a)
-    return out
-
-
 def orchestrate(args) -> int:
     if args.profile:
         return profile_mode(args)
     n_params = sum(p.numel() for p in build_model().parameters())
-    cmd = shlex.join(["python", "benchmarks/bench_zero.py", *drop_notes(sys.argv[1:])])
+    cmd = common.command_line("bench_zero.py")
     print(
         f"model: {n_params / 1e6:.2f}M params, seq {SEQ}, micro batch {args.micro_batch}, "
         f"world size {WORLD}, {args.warmup} warm-up + {args.steps} timed steps, {args.rounds} "
         f"rounds, {args.threads} thread(s) per process (torch.set_num_threads, OMP_NUM_THREADS)",
         flush=True,
     )
-    print(shardspeed_source(), flush=True)
+    print(common.shardspeed_source(), flush=True)
     plan = [(m, WORLD) for m in selected_modes(args)]
     results, errors, total, tmp, discarded = common.measure(
         HERE, plan, args, prefix="bench_zero_", width=12
@@ -577,48 +556,32 @@ def orchestrate(args) -> int:
     print("\nAs run (from the workers):")
     print("\n".join(settings))
     load_line = common.load_line(results, discarded, args)
-    print(f"\n{load_line}")
-    print(f"total benchmark time {total:.0f}s; worker logs in {tmp}")
-    for (mode, world), e in errors.items():
-        print(f"\n--- {mode} ws{world} failed: {e['error']} ---\n{e['log']}")
+    common.print_run_end(total, tmp, errors, load_line=load_line)
 
     if args.write:
+        report = {
+            "n_params": n_params,
+            "cmd": cmd,
+            "total": total,
+            "rows": rows,
+            "ratio_table": ratio_table,
+            "mode_table": mode_table,
+            "mem_table": mem_table,
+            "mem_rows": mem_rows,
+            "load_line": load_line,
+            "results": results,
+            "errors": errors,
+            "settings": settings,
+        }
         writer = write_section_s3 if is_stage3_run(selected_modes(args)) else write_section
-        writer(
-            args,
-            n_params,
-            cmd,
-            total,
-            rows,
-            ratio_table,
-            mode_table,
-            mem_table,
-            mem_rows,
-            load_line,
-            results,
-            errors,
-            settings,
-        )
+        writer(args, report)
         print(f"\nupdated {BENCH_MD}")
     return 1 if errors else 0
 
 
-def write_section(
-    args,
-    n_params,
-    cmd,
-    total,
-    rows,
-    ratio_table,
-    mode_table,
-    mem_table,
-    mem_rows,
-    load_line,
-    results,
-    errors,
-    settings,
-) -> None:
-    p = n_params
+def write_section(args, report: dict) -> None:
+    """The section of the stage 1 and 2 run."""
+    p, results, settings = report["n_params"], report["results"], report["settings"]
     notes = [
         f"- Model and data as in the stage-0 section: GPT-style LM, {p / 1e6:.2f}M parameters "
         f"(vocab {VOCAB}, d_model {D_MODEL}, {N_LAYERS} layers, {N_HEADS} heads, seq {SEQ}), fp32 (the bf16 rows: see below), "
@@ -681,138 +644,46 @@ def write_section(
         "- Shared 2-core machine: 'other load' is the CPU used during each timed window by "
         "anything other than that run's ranks (from /proc/stat minus the ranks' own CPU time), "
         "in cores; high values mean that round is noisy.",
-        f"- This run: {load_line}",
+        f"- This run: {report['load_line']}",
         "- As run (read back from each framework in the workers):",
         *(f"  {line}" for line in settings),
     ]
-    finish_section(
-        SECTION_TITLE,
-        args,
-        cmd,
-        total,
-        rows,
-        ratio_table,
-        mode_table,
-        mem_table,
-        mem_rows,
-        results,
-        errors,
-        notes,
-    )
+    finish_section(SECTION_TITLE, args, report, notes)
 
 
-def finish_section(
-    title,
-    args,
-    cmd,
-    total,
-    rows,
-    ratio_table,
-    mode_table,
-    mem_table,
-    mem_rows,
-    results,
-    errors,
-    notes,
-) -> None:
+def finish_section(title: str, args, report: dict, notes: list[str]) -> None:
     """The notes every section ends with (spread, memory over the formula, missed targets, --note
     lines, failures), then the section itself written into BENCHMARKS.md."""
-    today = datetime.date.today().isoformat()
-    missed = [r for r in rows if r["verdict"] == "MISSED"]
     notes = list(notes)
-    spread = common.spread_note(results)
+    spread = common.spread_note(report["results"])
     if spread:
         notes.append(spread)
-    for mode, m in mem_rows.items():
+    for mode, m in report["mem_rows"].items():
         if m["total"] > 1.05 * m["formula"]:
             notes.append(
                 f"- {mode} holds {m['total'] / m['formula']:.2f}x the ZeRO formula's model-state "
                 f"bytes ({m['total'] / MIB:.1f} vs {m['formula'] / MIB:.1f} MiB, {m['at']})."
             )
-    if missed:
-        notes.append(
-            "- Targets missed: "
-            + "; ".join(f"{r['label']} ({r['ratio']:.3f})" for r in missed)
-            + (
-                ". See the notes below."
-                if args.note
-                else " (`bench_zero.py --profile --modes ...` shows where the time goes)."
-            )
-        )
-    notes.extend(f"- {line}" for line in args.note or [])
-    for (mode, world), e in errors.items():
-        notes.append(f"- {mode} at world size {world} failed: {e['error']} (see the worker log).")
-    section = "\n".join(
-        [
-            title,
-            "",
-            f"Date: {today}. Machine: {common.machine_desc()}. Versions: {versions()}.",
-            "",
-            f"Command (from the repository root): `.venv/bin/{cmd}` (total run time {total:.0f}s).",
-            "",
-            ratio_table,
-            "",
-            "Per mode:",
-            "",
-            mode_table,
-            "",
-            "Model states per rank (MiB = 2**20 bytes):",
-            "",
-            mem_table,
-            "",
-            "Notes:",
-            "",
-            *notes,
-            "",
-        ]
+    notes += common.targets_missed(
+        report["rows"],
+        end=". See the notes below."
+        if args.note
+        else " (`bench_zero.py --profile --modes ...` shows where the time goes).",
     )
+    notes += common.note_lines(args)
+    notes += common.error_notes(report["errors"], with_world=True, markers=())
+    blocks = [
+        report["ratio_table"],
+        ("Per mode:", report["mode_table"]),
+        ("Model states per rank (MiB = 2**20 bytes):", report["mem_table"]),
+    ]
+    section = common.section_text(title, report["cmd"], report["total"], blocks, notes)
     common.write_markdown(section, title, BENCH_MD)
 
 
-def shardspeed_source() -> str:
-    """Where the workers import shardspeed from and, for this checkout, its commit and whether
-    src/ has uncommitted changes (read-only git commands)."""
-    import importlib.util
-    import subprocess
-
-    spec = importlib.util.find_spec("shardspeed")
-    origin = Path(spec.origin).resolve().parent.parent if spec and spec.origin else None
-    if origin is None:
-        return "shardspeed: not found"
-    try:
-        rel = origin.relative_to(common.REPO)
-    except ValueError:
-        return f"shardspeed imported from `{origin}` (outside this checkout)"
-
-    def git(*a):
-        return subprocess.run(
-            ["git", *a], cwd=common.REPO, capture_output=True, text=True, check=False
-        ).stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD") or "?"
-    dirty = git("status", "--porcelain", "--", str(rel))
-    return f"shardspeed from `{rel}/` at commit {head}" + (
-        " plus uncommitted changes under it" if dirty else ""
-    )
-
-
-def write_section_s3(
-    args,
-    n_params,
-    cmd,
-    total,
-    rows,
-    ratio_table,
-    mode_table,
-    mem_table,
-    mem_rows,
-    load_line,
-    results,
-    errors,
-    settings,
-) -> None:
+def write_section_s3(args, report: dict) -> None:
     """The section of the --stage3 run."""
-    p = n_params
+    p, results, settings = report["n_params"], report["results"], report["settings"]
     formula = formula_bytes(p, 3)
     ours = results.get(("ours_s3", WORLD)) or []
     ds_bucket = [
@@ -830,7 +701,7 @@ def write_section_s3(
         f"(vocab {VOCAB}, d_model {D_MODEL}, {N_LAYERS} layers, {N_HEADS} heads, seq {SEQ}), fp32, "
         "fixed seed; synthetic token batches from a seed per (rank, step), identical in every "
         f"mode; micro batch {args.micro_batch} per rank, world size {WORLD}. "
-        f"{shardspeed_source()}.",
+        f"{common.shardspeed_source()}.",
         f"- Each run: {args.warmup} warm-up steps, then {args.steps} timed steps (barrier before "
         "and after); tokens/s = world size x micro batch x seq x steps / time, measured on rank 0. "
         f"{args.rounds} rounds with the modes interleaved (order rotated per round); table ratios "
@@ -910,51 +781,20 @@ def write_section_s3(
         "three frameworks.",
         "- Shared 2-core machine: 'other load' is the CPU used during each timed window by "
         "anything other than that run's ranks, in cores; high values mean that round is noisy.",
-        f"- This run: {load_line}",
+        f"- This run: {report['load_line']}",
         "- As run (read back from each framework in the workers):",
         *(f"  {line}" for line in settings),
     ]
-    finish_section(
-        SECTION_TITLE_S3,
-        args,
-        cmd,
-        total,
-        rows,
-        ratio_table,
-        mode_table,
-        mem_table,
-        mem_rows,
-        results,
-        errors,
-        notes,
-    )
+    finish_section(SECTION_TITLE_S3, args, report, notes)
 
 
 def profile_mode(args) -> int:
     """Profile rank 0 of each mode in --modes once at world size 2."""
-    tmp = Path(tempfile.mkdtemp(prefix="bench_zero_prof_"))
-    pdir = Path(args.profile_out or tmp / "profiles")
-    for mode in selected_modes(args):
-        r = common.run_one(HERE, mode, WORLD, args, tmp, "prof", profile_dir=str(pdir))
-        if "error" in r:
-            print(f"{mode}: FAILED {r['error']}\n{r['log']}")
-            continue
-        print(
-            f"{mode} ws2 (profiled): {r['tokens_per_s']:.0f} tok/s, {r['step_ms']:.0f} ms/step, "
-            f"other load {r['foreign_cores']:.2f} cores"
-        )
-    print(f"profiles written to {pdir}")
-    return 0
+    return common.profile_modes(HERE, selected_modes(args), args, "bench_zero_prof_", WORLD)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--profile-dir", help=argparse.SUPPRESS)
-    common.add_orchestration_args(p)
+    p = common.parser(__doc__, MODES)
     p.add_argument(
         "--modes",
         nargs="+",
@@ -979,12 +819,7 @@ def main(argv=None) -> int:
         help="also run stage 2 in bf16: " + ", ".join(BF16_MODES) + " (adds about 2.5 minutes)",
     )
     common.add_noise_args(p, budget=200.0)
-    p.add_argument("--write", action="store_true", help=f"update {BENCH_MD.name}")
-    p.add_argument(
-        "--note",
-        action="append",
-        help="a line added to the notes of the written section (repeatable)",
-    )
+    common.add_write_args(p, note_help=f"{common.NOTE_HELP} (repeatable)")
     p.add_argument("--profile", action="store_true", help="profile each of --modes once")
     p.add_argument("--profile-out", help="directory for --profile output")
     args = p.parse_args(argv)

@@ -1,25 +1,30 @@
-"""Pieces shared by the benchmark scripts (bench_dp.py, bench_zero.py).
+"""Pieces shared by the benchmark scripts (bench_*.py).
 
 The model, the batches, the timed loop a worker runs, how the orchestrator starts a worker under
-``torch.distributed.run``, the rounds with load-noise detection, the ratio and per-mode tables, and
-the update of one section of BENCHMARKS.md. The scripts put this directory first on ``sys.path``
-(as Python does for the script being run), so ``import common`` finds this file.
+``torch.distributed.run``, the rounds with load-noise detection, the ratio and per-mode tables, the
+command-line options every script shares (worker, smoke, write and note options), the end of an
+orchestrator's output, and the section of BENCHMARKS.md (its header, its closing notes, its
+update). The scripts put this directory first on ``sys.path`` (as Python does for the script being
+run), so ``import common`` finds this file.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import datetime
 import json
 import os
 import platform
 import re
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -115,6 +120,20 @@ def make_batches(rank: int, n: int, micro_batch: int):
         seq = torch.randint(0, VOCAB, (micro_batch, SEQ + 1), generator=g)
         out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
     return out
+
+
+def worker_setup(threads: int, *, init: bool = True) -> tuple[int, int]:
+    """A worker's start under ``torch.distributed.run``: torch's thread count, its rank and world
+    size, and (``init``) the gloo process group. Returns (rank, world)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if init:
+        dist.init_process_group("gloo")
+    return rank, world
 
 
 def machine_busy_s() -> float:
@@ -283,6 +302,21 @@ def run_one(
     own = sum(r["own_cpu_s"] for r in ranks)
     r0["foreign_cores"] = max(0.0, (r0["machine_busy_s"] - own) / r0["elapsed_s"])
     return r0
+
+
+def ratio_text(a, b, digits: int = 3) -> str:
+    """a / b for a table cell; '-' where either is missing."""
+    return f"{a / b:.{digits}f}" if a and b else "-"
+
+
+def comparisons_among(rows: Sequence[tuple], modes: Collection[str], world: int) -> list:
+    """The ``(a, b, target, label)`` rows of ``summarize`` whose two modes both run, at
+    ``world``."""
+    return [
+        ((a, world), (b, world), target, label)
+        for a, b, target, label in rows
+        if a in modes and b in modes
+    ]
 
 
 def median(xs):
@@ -508,3 +542,296 @@ def add_noise_args(p, *, budget: float = 200.0) -> None:
         help="seconds after which noisy runs are kept (flagged) instead of rerun "
         f"(default {budget:g})",
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+NOTE_HELP = "a line added to the notes of the written section"
+
+
+def parser(
+    doc: str,
+    modes: Sequence[str] | None = None,
+    *,
+    profile_dir: bool = True,
+    orchestration: bool = True,
+) -> argparse.ArgumentParser:
+    """A script's parser: its docstring as the description, the hidden options ``run_one``
+    starts a worker with (``--worker`` one of ``modes``; ``--profile-dir`` where it profiles)
+    and, with ``orchestration``, the options of ``add_orchestration_args``."""
+    p = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--worker", choices=modes, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    if profile_dir:
+        p.add_argument("--profile-dir", help=argparse.SUPPRESS)
+    if orchestration:
+        add_orchestration_args(p)
+    return p
+
+
+def add_modes_arg(p: argparse.ArgumentParser, modes: Collection[str]) -> None:
+    """``--modes``: a subset of the script's modes, all by default."""
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(modes),
+        choices=list(modes),
+        help="modes to run (default all)",
+    )
+
+
+def add_smoke_arg(p: argparse.ArgumentParser, quick: str = "", *, help: str | None = None) -> None:
+    """``--smoke``: a quick check that the script still runs; ``quick`` says what it runs."""
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help=help
+        or f"a quick check that {quick}, no idle wait, no reruns (figures meaningless; refuses "
+        "--write)",
+    )
+
+
+def apply_smoke(p: argparse.ArgumentParser, args: argparse.Namespace, **settings) -> None:
+    """With ``--smoke``: refuse ``--write`` (its figures are not benchmarks), then set the
+    script's quick ``settings`` on ``args``."""
+    if not args.smoke:
+        return
+    if args.write:
+        p.error("--smoke figures are not benchmarks: no --write")
+    for key, value in settings.items():
+        setattr(args, key, value)
+
+
+def add_write_args(p: argparse.ArgumentParser, note_help: str = NOTE_HELP) -> None:
+    """``--write`` (update BENCHMARKS.md) and ``--note`` (repeatable lines for its notes)."""
+    p.add_argument("--write", action="store_true", help=f"update {BENCH_MD.name}")
+    p.add_argument("--note", action="append", help=note_help)
+
+
+def without_notes(argv: Sequence[str]) -> list[str]:
+    """The command line minus its --note texts (they go into the notes)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--note":
+            skip = True
+        elif not a.startswith("--note="):
+            out.append(a)
+    return out
+
+
+def command_line(script: str, *, keep_notes: bool = False) -> str:
+    """This run's command as a section quotes it: ``python benchmarks/SCRIPT ARGS``."""
+    argv = sys.argv[1:] if keep_notes else without_notes(sys.argv[1:])
+    return shlex.join(["python", f"benchmarks/{script}", *argv])
+
+
+# --------------------------------------------------------------------------------------------
+# Provenance and the end of a run
+# --------------------------------------------------------------------------------------------
+
+
+def git(*a: str) -> str:
+    """The output of a read-only git command in this checkout ('' where git fails)."""
+    proc = subprocess.run(
+        ["git", "--no-optional-locks", *a], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    return proc.stdout.strip()
+
+
+def shardspeed_commit() -> str:
+    """This checkout's commit and whether src/ has uncommitted changes."""
+    head = git("rev-parse", "--short", "HEAD") or "?"
+    dirty = " plus uncommitted changes under src/" if git("status", "--porcelain", "src") else ""
+    return f"shardspeed from src/ at commit {head}{dirty}"
+
+
+def shardspeed_source() -> str:
+    """Where the workers import shardspeed from and, for this checkout, its commit and whether
+    that directory has uncommitted changes."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("shardspeed")
+    origin = Path(spec.origin).resolve().parent.parent if spec and spec.origin else None
+    if origin is None:
+        return "shardspeed: not found"
+    try:
+        rel = origin.relative_to(REPO)
+    except ValueError:
+        return f"shardspeed imported from `{origin}` (outside this checkout)"
+    head = git("rev-parse", "--short", "HEAD") or "?"
+    dirty = git("status", "--porcelain", "--", str(rel))
+    return f"shardspeed from `{rel}/` at commit {head}" + (
+        " plus uncommitted changes under it" if dirty else ""
+    )
+
+
+def warn_if_source_changed(source: str) -> None:
+    """Figures from a run during which shardspeed changed mix two versions: say so."""
+    now = shardspeed_source()
+    if now != source:
+        print(f"\nWARNING: the shardspeed source changed during the run (now: {now})")
+
+
+def print_run_end(
+    total: float,
+    tmp: Path,
+    errors: dict,
+    *,
+    load_line: str | None = None,
+    log_chars: int | None = None,
+    with_world: bool = True,
+    losses_ok: bool = True,
+    losses_where: str = "'Losses' above",
+    source: str | None = None,
+) -> None:
+    """The end of an orchestrator's output: the load line, where the worker logs are, every
+    failed run with its log (its last ``log_chars`` characters), a failed loss check, and a
+    warning when shardspeed changed since ``source`` was read."""
+    head = f"\n{load_line}\n" if load_line else "\n"
+    print(f"{head}total benchmark time {total:.0f}s; worker logs in {tmp}")
+    for key, e in errors.items():
+        mode, world = key if isinstance(key, tuple) else (key, None)
+        label = f"{mode} ws{world}" if with_world else mode
+        log = e.get("log", "")
+        print(f"\n--- {label} failed: {e['error']} ---\n{log[-log_chars:] if log_chars else log}")
+    if not losses_ok:
+        print(f"\nLOSS CHECK FAILED (see {losses_where})")
+    if source is not None:
+        warn_if_source_changed(source)
+
+
+def profile_modes(script: Path, modes: Sequence[str], args, prefix: str, world: int = 2) -> int:
+    """``--profile``: run each mode once at ``world`` with rank 0 profiled; print its speed and
+    where the profiles went."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    pdir = Path(args.profile_out or tmp / "profiles")
+    for mode in modes:
+        r = run_one(script, mode, world, args, tmp, "prof", profile_dir=str(pdir))
+        if "error" in r:
+            print(f"{mode}: FAILED {r['error']}\n{r['log']}")
+            continue
+        print(
+            f"{mode} ws{world} (profiled): {r['tokens_per_s']:.0f} tok/s, {r['step_ms']:.0f} "
+            f"ms/step, other load {r['foreign_cores']:.2f} cores"
+        )
+    print(f"profiles written to {pdir}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# The written section
+# --------------------------------------------------------------------------------------------
+
+ERROR_MARKERS = ("Error", "error:", "terminate")
+
+
+def error_line(
+    label: str, e: dict, *, markers: Sequence[str] = ERROR_MARKERS, width: int = 400
+) -> str:
+    """'LABEL failed: ERROR', with the first line of the worker log holding one of ``markers``
+    (no markers: none), so the notes say why without the whole log."""
+    why = [
+        x
+        for x in e.get("log", "").splitlines()
+        if any(m in x for m in markers) and "Traceback" not in x
+    ][:1]
+    return (
+        f"{label} failed: {e['error']}"
+        + (f": `{why[0].strip()[:width]}`" if why else "")
+        + " (see the worker log)"
+    )
+
+
+def error_notes(errors: dict, *, with_world: bool = False, **line_kw) -> list[str]:
+    """A note per failed run (keyed by mode or by (mode, world)); ``line_kw`` go to error_line."""
+    out = []
+    for key, e in errors.items():
+        mode, world = key if isinstance(key, tuple) else (key, None)
+        label = f"{mode} at world size {world}" if with_world else mode
+        out.append(f"- {error_line(label, e, **line_kw)}.")
+    return out
+
+
+def targets_missed(rows: Sequence[dict], *, ratios: bool = True, end: str = ".") -> list[str]:
+    """The note naming the comparisons of ``summarize`` that missed their target (none: [])."""
+    missed = [r for r in rows if r["verdict"] == "MISSED"]
+    if not missed:
+        return []
+    names = (f"{r['label']} ({r['ratio']:.3f})" if ratios else r["label"] for r in missed)
+    return ["- Targets missed: " + "; ".join(names) + end]
+
+
+def note_lines(args) -> list[str]:
+    """The ``--note`` lines, as notes."""
+    return [f"- {line}" for line in getattr(args, "note", None) or []]
+
+
+def closing_notes(
+    load_line: str,
+    results,
+    rows: Sequence[dict],
+    args,
+    errors: dict,
+    *,
+    ratios: bool = True,
+    **error_kw,
+) -> list[str]:
+    """The notes a measured section ends with: this run's load, the run-to-run spread, the
+    missed targets (``ratios``: with their ratios), the ``--note`` lines and the failures."""
+    spread = spread_note(results)
+    return [
+        f"- This run: {load_line}",
+        *([spread] if spread else []),
+        *targets_missed(rows, ratios=ratios),
+        *note_lines(args),
+        *error_notes(errors, **error_kw),
+    ]
+
+
+def each_run_note(args, global_batch: int) -> str:
+    """The method note of the sections measured with ``measure`` at a fixed global batch."""
+    return (
+        f"- Each run: {args.warmup} warm-up steps, then {args.steps} timed steps (barrier before "
+        f"and after); tokens/s = {global_batch} x {SEQ} x steps / time on rank 0. {args.rounds} "
+        "rounds, modes interleaved (order rotated per round); ratios are of medians; per-round "
+        f"ratios pair runs of the same round. Threads: {args.threads} per process; a fresh "
+        "`torch.distributed.run --standalone` process group per run (gloo on CPU)."
+    )
+
+
+def section_text(
+    title: str,
+    cmd: str,
+    total: float,
+    blocks: Sequence[str | tuple[str, str]],
+    notes: Sequence[str],
+    *,
+    source: str | None = None,
+    versions_text: str | None = None,
+    date: str | None = None,
+    command_tail: str = "",
+) -> str:
+    """A BENCHMARKS.md section: the title; date, machine and versions (and ``source``); the
+    command; the ``blocks`` (a table, or a (caption, table) pair); the notes."""
+    header = (
+        f"Date: {date or datetime.date.today().isoformat()}. Machine: {machine_desc()}. "
+        f"Versions: {versions_text or versions()}."
+    )
+    lines = [
+        title,
+        "",
+        header + (f" {source}." if source else ""),
+        "",
+        f"Command (from the repository root): `.venv/bin/{cmd}` (total run time {total:.0f}s)"
+        f"{command_tail}.",
+        "",
+    ]
+    for block in blocks:
+        lines += [block[0], "", block[1], ""] if isinstance(block, tuple) else [block, ""]
+    return "\n".join([*lines, "Notes:", "", *notes, ""])
