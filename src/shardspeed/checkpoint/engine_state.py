@@ -504,7 +504,7 @@ def _checkpoint_name(engine: Any, module_name: str, first_replica: bool = True) 
     """(checkpoint name, whether this rank writes it) of a whole tensor held in the model: an
     expert-parallel expert's is its global name, written by its expert-data group's first rank;
     any other keeps its module name, written by the first replica."""
-    expert = getattr(engine, "expert_tensor_names", {}).get(module_name)
+    expert = engine.expert_tensor_names.get(module_name)
     return expert if expert is not None else (module_name, first_replica)
 
 
@@ -550,8 +550,7 @@ def _check_names(
     # Second names of shared parameters and buffers may be present without being parameters.
     buffers = {_checkpoint_name(engine, n)[0] for n, _ in engine.module.named_buffers()}
     known = model | set(_aliases(engine.module)) | buffers
-    expert_parallel = any(m.ep_size > 1 for m in getattr(engine, "moe_layers", {}).values())
-    if engine.topology.num_stages > 1 or expert_parallel:
+    if engine.topology.num_stages > 1 or engine.expert_tensor_names:
         # A name is expected if any rank holds it (another stage, other experts).
         known = set().union(*map(set, all_gather_json(sorted(known))))
     missing, unexpected = sorted(model - saved), sorted(saved - known)

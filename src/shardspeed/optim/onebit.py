@@ -81,8 +81,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.cuda_aware = cuda_aware
         self.comm_backend_name = comm_backend_name
         self.process_group: Any = None
-        # Error feedback buffers, per parameter (0/1 Adam) or per param group (1-bit Adam).
+        # Error feedback buffers, per param group and exchanged size.
         self._errors: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+        # The most steps any parameter has taken: asked before every backward, so kept up to date
+        # by step() and load_state_dict() rather than read off every parameter's state each time.
+        self._steps = 0
 
     def set_process_group(self, group: Any) -> None:
         """Average over `group` (the data-parallel group; None is the default group)."""
@@ -103,12 +106,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if mask is not None:
                 group["exp_avg_mask"] = mask
         self._errors.clear()
+        self._steps = max((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
 
     def _world_size(self) -> int:
         return get_world_size(self.process_group)
-
-    def _steps_taken(self) -> int:
-        return max((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
 
     def _average_group(
         self, index: int, tensors: list[torch.Tensor], group: dict[str, Any]
@@ -218,7 +219,7 @@ class OneBitAdam(CompressedOptimizer):
         )
 
     def communicates_gradients(self) -> bool:
-        return self._steps_taken() >= self.freeze_step
+        return self._steps >= self.freeze_step
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -238,6 +239,7 @@ class OneBitAdam(CompressedOptimizer):
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
+                self._steps = max(self._steps, state["step"])
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
                 if not compressing:
@@ -342,6 +344,7 @@ class ZeroOneAdam(CompressedOptimizer):
                         local_step_counter=0,
                     )
                 state["step"] += 1
+                self._steps = max(self._steps, state["step"])
                 phase = variance if state["step"] <= self.var_freeze_step else local
                 phase.append((p, grad, state))
             # Each phase's exchanges for the whole group go as one flat 1-bit all-reduce.
@@ -379,15 +382,17 @@ class ZeroOneAdam(CompressedOptimizer):
         self, index: int, group: dict[str, Any], steps: list[tuple[torch.Tensor, ...]]
     ) -> None:
         beta1 = group["betas"][0]
+        starting = [(p, state) for p, _, state in steps if "synced_params" not in state]
+        if starting:
+            # First local step: the ranks' parameters are equal; the errors so far were of
+            # gradients, from now on they are of parameter progress.
+            self._reset_group_errors(index)
+            for p, state in starting:
+                state["synced_params"] = p.detach().clone()
+                state["synced_lr_sum"] = 0.0
         syncing = []
         for p, grad, state in steps:
             step, m, v = int(state["step"]), state["exp_avg"], state["exp_avg_sq"]
-            if "synced_params" not in state:
-                # First local step: the ranks' parameters are equal; the errors so far were of
-                # gradients, from now on they are of parameter progress.
-                state["synced_params"] = p.detach().clone()
-                state["synced_lr_sum"] = 0.0
-                self._reset_group_errors(index)
             m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
             denom = self._denominator(v, group, int(state["var_steps"]))
             step_size = self._step_size(group, step)
