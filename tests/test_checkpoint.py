@@ -140,6 +140,7 @@ def test_no_file_is_a_pickle(pool2, tmp_path):
         "manifest.json",
         "rank00000.safetensors",
         "rank00001.safetensors",
+        "zero_to_fp32.py",  # the consolidation script DeepSpeed users run (a text file)
     }
     for path in files:
         head = path.read_bytes()[:2]
@@ -181,7 +182,11 @@ def test_failed_save_on_one_rank_fails_everywhere_and_keeps_latest(pool2, tmp_pa
         == 2
     )
     assert (tmp_path / "latest").read_text() == "global_step1"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "global_step1",
+        "latest",
+        "zero_to_fp32.py",
+    ]
 
 
 def _save_with_bad_client_state(save_dir: str) -> None:

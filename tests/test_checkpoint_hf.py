@@ -30,7 +30,7 @@ def load_into_stage3(kind: str, directory: str, under_init: bool) -> dict:
         model = build(kind)
     with torch.no_grad():  # different weights: everything must come from the files
         for p in model.parameters():
-            (p.ds_shard if hasattr(p, "ds_shard") else p).add_(0.5)
+            (p.ds_tensor if hasattr(p, "ds_tensor") else p).add_(0.5)
     model.config.use_cache = False
     engine, *_ = shardspeed.initialize(
         model=model,

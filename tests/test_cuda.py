@@ -364,7 +364,7 @@ NVME = {
 
 
 def nvme_files(engine) -> dict:
-    path = engine.config.zero_optimization.offload_optimizer.nvme_path
+    path = engine.run_config.zero_optimization.offload_optimizer.nvme_path
     files = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
     return {"swap_files": len(files)}
 

@@ -180,7 +180,12 @@ def test_demo_resumes_from_its_checkpoints(tmp_path):
     assert "resumed from" not in first
     ckpt = tmp_path / "resumed" / "checkpoints"
     # Saved at steps 2, 4 and 5 (the last); the newest two are kept.
-    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step4", "global_step5", "latest"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "global_step4",
+        "global_step5",
+        "latest",
+        "zero_to_fp32.py",
+    ]
 
     again = _train(tmp_path, "resumed", "--steps", "7", "--checkpoint-every", "2", "--resume")
     assert f"resumed from {ckpt / 'global_step5'} at step 5" in again

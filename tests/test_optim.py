@@ -56,7 +56,7 @@ def test_betas_from_json_list_and_defaults():
 
 
 def test_every_model_hints_gradient_clipping_for_max_grad_norm():
-    classic = {"Adam", "AdamW", "Lamb", "SGD", "Adagrad"}
+    classic = {"Adam", "AdamW", "Lamb", "SGD", "Adagrad", "Lion"}
     # 1-bit and 0/1 Adam take DeepSpeed's max_grad_norm as a parameter of their own.
     assert set(OPTIMIZER_PARAMS) == classic | {"OneBitAdam", "ZeroOneAdam"}
     for model in (OPTIMIZER_PARAMS[name] for name in classic):

@@ -418,7 +418,7 @@ def build_under_init() -> dict:
 
     def held() -> int:
         return sum(
-            p.untyped_storage().nbytes() + (p.ds_shard.nbytes if hasattr(p, "ds_shard") else 0)
+            p.untyped_storage().nbytes() + (p.ds_tensor.nbytes if hasattr(p, "ds_tensor") else 0)
             for p in created
         )
 

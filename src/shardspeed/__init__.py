@@ -14,9 +14,15 @@ import sys
 
 from tqdm import tqdm
 
-__version__ = "0.1.0"
+# shardspeed's own version. Under the deepspeed alias (shardspeed.compat) `__version__` reports the
+# DeepSpeed version shardspeed follows, since libraries compare it with DeepSpeed's releases.
+shardspeed_version = "0.1.0"
+__version__ = shardspeed_version
 __all__ = [
     "ConfigError",
+    "DeepSpeedEngine",
+    "PipelineEngine",
+    "PipelineModule",
     "ShardSpeedConfig",
     "ShardSpeedEngine",
     "__version__",
@@ -24,6 +30,7 @@ __all__ = [
     "comm",
     "init_distributed",
     "initialize",
+    "shardspeed_version",
     "tp_model_init",
 ]
 
@@ -32,6 +39,8 @@ class _RankZeroOnly(logging.Filter):
     """Every rank validates the same config; say things once (errors still come from every rank)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "shardspeed_any_rank", False):  # utils.log_dist chose the ranks
+            return True
         return record.levelno >= logging.ERROR or _rank() == 0
 
 
@@ -84,11 +93,15 @@ _LAZY = {
     "init_inference": "shardspeed.inference.engine",
     "InferenceEngine": "shardspeed.inference.engine",
     "ShardSpeedEngine": "shardspeed.runtime.engine",
+    "DeepSpeedEngine": "shardspeed.runtime.engine",
+    "PipelineEngine": "shardspeed.pipe",
+    "PipelineModule": "shardspeed.pipe",
     "init_distributed": "shardspeed.comm",
     "ConfigError": "shardspeed.config",
     "ShardSpeedConfig": "shardspeed.config",
 }
 _SUBMODULES = (
+    "accelerator",
     "checkpoint",
     "checkpointing",
     "comm",

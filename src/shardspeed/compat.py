@@ -4,7 +4,17 @@ After :func:`install`, and in this process only, ``import deepspeed`` gives the 
 ``import deepspeed.a.b`` gives ``shardspeed.a.b``: the same module objects, so ``deepspeed.comm is
 shardspeed.comm``. DeepSpeed paths whose shardspeed module has another name are listed in
 :data:`ALIASES`. A path with no shardspeed counterpart fails with an ImportError that names the missing
-shardspeed module. Use it as ``python -m shardspeed.compat script.py args`` or ``shardspeed --compat``.
+shardspeed module.
+
+Libraries look for DeepSpeed by its installed distribution too (``importlib.metadata``), so the
+alias also answers for a ``deepspeed`` distribution of version :data:`DEEPSPEED_VERSION`, the
+DeepSpeed release whose behaviour shardspeed follows; ``deepspeed.__version__`` reports it and
+``shardspeed_version`` keeps shardspeed's own. Nothing named deepspeed is ever installed.
+
+Three ways in: ``python -m shardspeed.compat script.py args``, ``shardspeed --compat``, or, for
+processes that other launchers start (``accelerate launch``, ``torchrun``, notebooks), the
+environment variable ``SHARDSPEED_AS_DEEPSPEED=1``, read at interpreter start-up by the hook file
+``shardspeed-deepspeed-alias.pth`` that installing shardspeed puts into site-packages.
 """
 
 from __future__ import annotations
@@ -12,12 +22,21 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
+import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import ModuleType
 
 from shardspeed.launcher.entry import run_target
+
+# The DeepSpeed release whose API, config schema and defaults shardspeed follows.
+DEEPSPEED_VERSION = "0.19.8"
+# Set to 1 (or true / yes / on) to install the alias in every Python process that starts.
+ENVIRONMENT_SWITCH = "SHARDSPEED_AS_DEEPSPEED"
 
 # DeepSpeed module path -> shardspeed module path; the longest matching prefix wins and the rest of
 # the name is kept. Map packages only: a plain module cannot hold the submodules imported below it.
@@ -30,6 +49,8 @@ ALIASES: dict[str, str] = {
     # package stands for shardspeed, whose `checkpointing` is the module.
     "deepspeed.runtime.activation_checkpointing": "shardspeed",
     "deepspeed.runtime.activation_checkpointing.checkpointing": "shardspeed.checkpointing",
+    "deepspeed.utils.groups": "shardspeed.comm.groups",
+    "deepspeed.utils.tensor_fragment": "shardspeed.zero.tensor_fragment",
 }
 
 
@@ -97,10 +118,79 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
             )
         return importlib.util.spec_from_loader(fullname, _AliasLoader(fullname, real))
 
+    def find_distributions(
+        self, context: importlib.metadata.DistributionFinder.Context | None = None
+    ) -> Iterator[importlib.metadata.Distribution]:
+        """Answer for the ``deepspeed`` distribution in ordinary look-ups (over ``sys.path``).
+
+        Tools that scan explicit locations (pip lists what each site directory holds) pass their
+        own path and see only what is installed there.
+        """
+        context = context or importlib.metadata.DistributionFinder.Context()
+        wanted = context.name is None or _normalized(context.name) == "deepspeed"
+        if wanted and context.path is sys.path:
+            yield _DeepSpeedDistribution()
+
+
+def _normalized(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+class _DeepSpeedDistribution(importlib.metadata.Distribution):
+    """The metadata of the ``deepspeed`` that shardspeed stands in for (no files behind it)."""
+
+    def read_text(self, filename: str) -> str | None:
+        if filename in ("METADATA", "PKG-INFO"):
+            return (
+                "Metadata-Version: 2.1\n"
+                "Name: deepspeed\n"
+                f"Version: {DEEPSPEED_VERSION}\n"
+                f"Summary: shardspeed {_shardspeed_version()} standing in for DeepSpeed\n"
+            )
+        return None
+
+    def locate_file(self, path: str | os.PathLike[str]) -> Path:
+        return Path(__file__).parent / path
+
+
+def _shardspeed_version() -> str:
+    import shardspeed
+
+    return shardspeed.shardspeed_version
+
+
+def is_installed() -> bool:
+    """Whether ``deepspeed`` resolves to shardspeed in this process."""
+    return any(isinstance(finder, _AliasFinder) for finder in sys.meta_path)
+
+
+def switch_is_set(environ: dict[str, str] | None = None) -> bool:
+    """Whether :data:`ENVIRONMENT_SWITCH` asks for the alias."""
+    value = (os.environ if environ is None else environ).get(ENVIRONMENT_SWITCH, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def install_from_environment() -> None:
+    """The start-up hook's call: install the alias when the switch is set, else do nothing.
+
+    It runs before any user code, so a failure is reported and the interpreter goes on without
+    the alias rather than refusing to start.
+    """
+    if not switch_is_set():
+        return
+    try:
+        install()
+    except Exception as error:
+        print(
+            f"shardspeed: {ENVIRONMENT_SWITCH} is set but the deepspeed alias could not be "
+            f"installed: {error}",
+            file=sys.stderr,
+        )
+
 
 def install() -> None:
     """Make ``deepspeed`` imports in this process resolve to shardspeed; a second call does nothing."""
-    if any(isinstance(finder, _AliasFinder) for finder in sys.meta_path):
+    if is_installed():
         return
     real = sorted(
         name
@@ -115,6 +205,17 @@ def install() -> None:
         )
     # First on the path, so that an installed DeepSpeed is never found instead.
     sys.meta_path.insert(0, _AliasFinder())
+    import shardspeed
+
+    shardspeed.__version__ = DEEPSPEED_VERSION
+    major, minor, patch = (int(part) for part in DEEPSPEED_VERSION.split("."))
+    shardspeed.__version_major__, shardspeed.__version_minor__ = major, minor
+    shardspeed.__version_patch__ = patch
+    logging.getLogger("shardspeed").debug(
+        "deepspeed resolves to shardspeed %s (as DeepSpeed %s)",
+        shardspeed.shardspeed_version,
+        DEEPSPEED_VERSION,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -70,7 +70,7 @@ def save_engine(
 ) -> bool:
     """`engine.save_checkpoint`: every rank calls it; True once the tag is in place everywhere."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    tag = _agreed_tag(tag, engine.config.checkpoint.tag_validation)
+    tag = _agreed_tag(tag, engine.run_config.checkpoint.tag_validation)
     root = Path(save_dir)
     partial = root / f".{tag}.partial"
     rank = get_rank()
@@ -367,6 +367,39 @@ def _publish_tag(
             os.fsync(f.fileno())
         tmp.replace(root / LATEST)
         fsync_dir(root)
+    _write_recovery_script(root)
+
+
+# What DeepSpeed users (and transformers' Trainer, in its messages) run from a checkpoint folder.
+RECOVERY_SCRIPT = "zero_to_fp32.py"
+_RECOVERY_SOURCE = '''#!/usr/bin/env python
+"""Written by shardspeed beside its checkpoints, as DeepSpeed writes its own: consolidate a
+checkpoint into one fp32 state dict (safetensors; nothing is unpickled).
+
+    python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [--tag TAG] [--max_shard_size 5GB]
+
+CHECKPOINT_DIR is the folder holding `latest` (this one: `.`). See
+`python -m shardspeed.utils.zero_to_fp32 --help`.
+"""
+
+import sys
+
+from shardspeed.utils.zero_to_fp32 import main
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+def _write_recovery_script(root: Path) -> None:
+    """Rank 0: put `zero_to_fp32.py` in the checkpoint folder (atomically; once)."""
+    target = root / RECOVERY_SCRIPT
+    if target.exists() and target.read_text() == _RECOVERY_SOURCE:
+        return
+    tmp = root / f".{RECOVERY_SCRIPT}.tmp"
+    tmp.write_text(_RECOVERY_SOURCE)
+    tmp.chmod(0o755)
+    tmp.replace(target)
 
 
 def _aliases(module: torch.nn.Module) -> dict[str, str]:
@@ -432,7 +465,7 @@ def load_engine(
         logger.warning(f"no '{LATEST}' file in {load_dir}: nothing loaded")
         return None, None
     manifest, source = open_checkpoint(path)
-    if engine.config.checkpoint.load_universal:
+    if engine.run_config.checkpoint.load_universal:
         logger.info("checkpoint.load_universal: every shardspeed checkpoint is universal already")
     zopt = engine.optimizer
     pieces = load_parameters(

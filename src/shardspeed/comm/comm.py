@@ -46,7 +46,10 @@ _ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """The process group backend that suits this process's accelerator (nccl on CUDA, else gloo)."""
+    from ..accelerator import get_accelerator
+
+    return get_accelerator().communication_backend_name()
 
 
 def init_distributed(

@@ -22,8 +22,8 @@ NonNegativeInt = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
 class StrictModel(BaseModel):
     """A config section: unknown keys and wrongly typed values are errors, never ignored.
 
-    `not_supported_until` names the fields that are real DeepSpeed keys but not honoured yet, with the
-    issue that brings each: such a field may be written only with its default value; anything else is
+    `not_supported_until` names the fields that are real DeepSpeed keys but not honoured, with the
+    reason shown to the user: such a field may be written only with its default value; anything else is
     refused as "not supported yet" by the loader, so no key is ever accepted and silently ignored.
     A section may instead list the fields it does honour in `implemented`; every other field is then
     treated the same way. `key_hints` maps a key that is
@@ -39,9 +39,9 @@ class StrictModel(BaseModel):
 
     @classmethod
     def unsupported_reason(cls, field: str) -> str | None:
-        """Why `field` may not be set yet (the issue that brings it), or None if it is honoured."""
+        """Why `field` may not be set (shown to the user), or None if it is honoured."""
         if field in cls.not_supported_until:
             return cls.not_supported_until[field]
         if cls.implemented is not None and field not in cls.implemented:
-            return "a later issue"
+            return "not built in shardspeed"
         return None

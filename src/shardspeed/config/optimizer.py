@@ -209,6 +209,17 @@ class AdagradParams(StrictModel):
         return self
 
 
+class LionParams(StrictModel):
+    """`Lion` params: DeepSpeed's FusedLion / DeepSpeedCPULion keywords."""
+
+    lr: NonNegFloat = 1e-3
+    betas: Betas = (0.9, 0.999)
+    weight_decay: NonNegFloat = 0.0
+
+    implemented: ClassVar[frozenset[str] | None] = frozenset({"lr", "betas", "weight_decay"})
+    key_hints: ClassVar[dict[str, str]] = _MAX_GRAD_NORM_HINT
+
+
 class _CompressedAdamParams(StrictModel):
     """Keys 1-bit Adam and 0/1 Adam share (DeepSpeed's signatures; `max_grad_norm` is applied
     here where DeepSpeed ignores it; see docs/compression.md)."""
@@ -253,6 +264,7 @@ OPTIMIZER_PARAMS: dict[str, type[StrictModel]] = {
     "AdamW": AdamWParams,
     "Lamb": LambParams,
     "Adagrad": AdagradParams,
+    "Lion": LionParams,
     "SGD": SGDParams,
     "OneBitAdam": OneBitAdamParams,
     "ZeroOneAdam": ZeroOneAdamParams,
@@ -261,7 +273,8 @@ OPTIMIZER_PARAMS: dict[str, type[StrictModel]] = {
 # DeepSpeed lower-cases the type before comparing it with its native optimizer names; any other
 # type is looked up in torch.optim by its exact, case-sensitive name.
 _NATIVE = {
-    name.lower(): name for name in ("Adam", "AdamW", "Lamb", "Adagrad", "OneBitAdam", "ZeroOneAdam")
+    name.lower(): name
+    for name in ("Adam", "AdamW", "Lamb", "Adagrad", "Lion", "OneBitAdam", "ZeroOneAdam")
 }
 _TORCH_NAMED = frozenset({"SGD"})
 

@@ -16,9 +16,6 @@ from .base import NonNegativeInt, PositiveInt, StrictModel
 
 Section = dict[str, Any] | None
 
-ISSUE_CHECKPOINT = "issue 5 (checkpoints)"
-ISSUE_OFFLOAD = "issue 6 (CPU and NVMe offload)"
-ISSUE_TP = "issue 8 (tensor parallelism, activation checkpointing)"
 INFERENCE_ONLY = (
     "an inference setting; for serving give it to shardspeed.init_inference (docs/inference.md)"
 )
@@ -26,7 +23,7 @@ ZERO_PLUS_PLUS = (
     "ZeRO++'s quantized and hierarchical communication is not built; "
     "'communication_data_type' and OneBitAdam compress communication instead"
 )
-NOT_PLANNED = "no planned issue yet"
+NOT_PLANNED = "shardspeed does not have this feature"
 
 
 class FP16Config(StrictModel):
@@ -44,7 +41,10 @@ class FP16Config(StrictModel):
     min_loss_scale: float = Field(1.0, gt=0.0)
     fp16_master_weights_and_grads: bool = False
 
-    not_supported_until: ClassVar[dict[str, str]] = {"fp16_master_weights_and_grads": ISSUE_OFFLOAD}
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "fp16_master_weights_and_grads": "fp16 master weights and gradients are not built: "
+        "master weights stay fp32"
+    }
 
     @field_validator("loss_scale", "min_loss_scale")
     @classmethod
@@ -69,8 +69,9 @@ class BF16Config(StrictModel):
 
     not_supported_until: ClassVar[dict[str, str]] = {
         "immediate_grad_update": NOT_PLANNED,
-        "bf16_master_weights_and_grads": ISSUE_OFFLOAD,
-        "bf16_optimizer_states": ISSUE_OFFLOAD,
+        "bf16_master_weights_and_grads": "bf16 master weights and gradients are not built: "
+        "master weights stay fp32",
+        "bf16_optimizer_states": "bf16 optimizer states are not built: they stay fp32",
     }
 
     @field_validator("check_grad_overflow")
@@ -109,7 +110,7 @@ class OffloadOptimizerConfig(StrictModel):
 
     not_supported_until: ClassVar[dict[str, str]] = {
         "fast_init": "shardspeed never writes initial optimizer states, so there is nothing to skip",
-        "ratio": f"{ISSUE_OFFLOAD}: partial offload",
+        "ratio": "partial offload is not built: offload the whole optimizer step or none of it",
         "super_offload": NOT_PLANNED,
         "cpuadam_cores_perc": "the CPU step uses torch's threads (torch.set_num_threads)",
     }
@@ -147,9 +148,9 @@ class OffloadParamConfig(StrictModel):
     pin_memory: bool = True
 
     not_supported_until: ClassVar[dict[str, str]] = {
-        "buffer_count": f"{ISSUE_OFFLOAD}: parameter offload to NVMe",
-        "buffer_size": f"{ISSUE_OFFLOAD}: parameter offload to NVMe",
-        "max_in_cpu": f"{ISSUE_OFFLOAD}: parameter offload to NVMe",
+        "buffer_count": "the NVMe parameter swap sizes its own buffers",
+        "buffer_size": "the NVMe parameter swap sizes its own buffers",
+        "max_in_cpu": "the NVMe parameter swap sizes its own buffers",
     }
 
     @model_validator(mode="after")
@@ -493,14 +494,15 @@ class ZeroConfig(StrictModel):
     not_supported_until: ClassVar[dict[str, str]] = {
         "use_multi_rank_bucket_allreduce": "shardspeed always reduces a bucket in one collective",
         "compute_grad_norm": "shardspeed always computes the norm: it is how overflow is detected",
-        "round_robin_gradients": ISSUE_OFFLOAD,
+        "round_robin_gradients": "the round-robin gradient placement of DeepSpeed's CPU "
+        "offload is not built",
         "legacy_stage1": NOT_PLANNED,
         "parameter_alignment": NOT_PLANNED,
         "load_from_fp32_weights": "shardspeed checkpoints always restore masters from fp32 values",
         "pipeline_loading_checkpoint": (
             "ZeRO stage 3 does not combine with pipeline parallelism (nor does it in DeepSpeed)"
         ),
-        "zenflow": ISSUE_OFFLOAD,
+        "zenflow": "ZenFlow (asynchronous offloaded optimizer updates) is not built",
         "save_muon_momentum_buffer_in_memory": NOT_PLANNED,
         "zero_quantized_gradients": ZERO_PLUS_PLUS,
         "stage3_module_granularity_threshold": (
@@ -606,11 +608,13 @@ class ShardSpeedConfig(StrictModel):
 
     not_supported_until: ClassVar[dict[str, str]] = {
         "managed_gradient_accumulation": NOT_PLANNED,
-        "zero_force_ds_cpu_optimizer": ISSUE_OFFLOAD,
+        "zero_force_ds_cpu_optimizer": "offloaded steps run any torch optimizer; there is no "
+        "DeepSpeed CPU optimizer to force",
         "disable_python_gc": NOT_PLANNED,
         "log_level": NOT_PLANNED,
         "sequence_parallel_size": NOT_PLANNED,
-        "data_parallel_size": ISSUE_TP,
+        "data_parallel_size": "the data-parallel size follows from the world size and "
+        "'tensor_parallel.autotp_size'",
         "seq_parallel_communication_data_type": NOT_PLANNED,
         "vocabulary_size": NOT_PLANNED,
         "data_efficiency": NOT_PLANNED,
@@ -624,6 +628,14 @@ class ShardSpeedConfig(StrictModel):
         "weight_quantization": NOT_PLANNED,
         "datastates": NOT_PLANNED,
     }
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinity_means_never(cls, value: Any) -> Any:
+        # accelerate's DeepSpeedPlugin writes float("inf"): never print.
+        if isinstance(value, float) and math.isinf(value) and value > 0:
+            return None
+        return value
 
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:

@@ -46,7 +46,7 @@ class HybridEngine(ShardSpeedEngine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        section = self.config.hybrid_engine
+        section = self.run_config.hybrid_engine
         topo = self.topology
         if topo.tp_world_size > 1 or self.moe_layers:
             raise ConfigError(
@@ -107,12 +107,12 @@ class HybridEngine(ShardSpeedEngine):
         if sharded is not None:
             sharded.strip_hooks(inference)
         if self.inference_tp_size > 1:
-            apply_autotp(inference, self._tp_group, self.config.tensor_parallel)
+            apply_autotp(inference, self._tp_group, self.run_config.tensor_parallel)
         targets = dict(inference.named_parameters())
         names = {p: n for n, p in self.module.named_parameters()}
         if sharded is not None:
             units = [u.params for u in sharded.units]
-            per = self.config.hybrid_engine.tp_gather_partition_size
+            per = self.run_config.hybrid_engine.tp_gather_partition_size
             chunks = [[p for u in units[i : i + per] for p in u] for i in range(0, len(units), per)]
         else:
             chunks = [list(managed)]
@@ -183,7 +183,7 @@ class HybridEngine(ShardSpeedEngine):
         per_prompt = [params] * len(rows) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(rows):
             raise ValueError(f"{len(per_prompt)} SamplingParams for {len(rows)} prompts")
-        limit = self.config.hybrid_engine.max_out_tokens
+        limit = self.run_config.hybrid_engine.max_out_tokens
         for row, p in zip(rows, per_prompt):
             if len(row) + p.max_new_tokens > limit:
                 raise ValueError(
@@ -199,9 +199,9 @@ class HybridEngine(ShardSpeedEngine):
         ids = [batcher.add_request(r, p) for r, p in zip(rows, per_prompt)]
         results = batcher.run()
         out = [results[i] for i in ids][mine]
-        if self.config.hybrid_engine.release_inference_cache:
+        if self.run_config.hybrid_engine.release_inference_cache:
             self._batcher = None
-        if not self.config.hybrid_engine.pin_parameters:
+        if not self.run_config.hybrid_engine.pin_parameters:
             self._drop_copy()
         self.generation_stats["generate_s"] += time.perf_counter() - start
         return out
@@ -250,7 +250,7 @@ class HybridEngine(ShardSpeedEngine):
 
     def train(self, mode: bool = True) -> HybridEngine:
         super().train(mode)
-        if mode and not self.config.hybrid_engine.pin_parameters:
+        if mode and not self.run_config.hybrid_engine.pin_parameters:
             self._drop_copy()
         return self
 

@@ -29,7 +29,8 @@ from shardspeed.utils.net import free_port, port_is_free
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
 ENTRY_MODULE = "shardspeed.launcher.entry"
-ENV_FILE_NAME = ".deepspeed_env"
+# DeepSpeed's name and value (accelerate writes a multi-node job's environment to this file).
+DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"
 # Variables whose names start with one of these are copied to remote nodes. This is DeepSpeed's list
 # (MLFLOW, PYTHON, MV2, UCX) plus NCCL, which its CUDA accelerator adds.
 EXPORT_PREFIXES = ("NCCL", "PYTHON", "MLFLOW", "UCX", "MV2")
@@ -215,7 +216,7 @@ def remote_environment(environ: Mapping[str, str], cwd: str) -> dict[str, str]:
     }
     # cwd goes first on PYTHONPATH so remote processes import the same local modules as this one.
     exports["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, environ.get("PYTHONPATH")]))
-    name = environ.get("DS_ENV_FILE", ENV_FILE_NAME)
+    name = environ.get("DS_ENV_FILE", DEEPSPEED_ENVIRONMENT_NAME)
     home = environ.get("HOME") or os.path.expanduser("~")
     for path in dict.fromkeys(os.path.join(directory, name) for directory in (home, cwd)):
         if os.path.isfile(path):

@@ -83,13 +83,20 @@ class DeepSpeedCPUAdam(torch.optim.Adam):
             weight_decay=weight_decay,
             decoupled_weight_decay=adamw_mode,
         )
-        if fp32_optimizer_states:
-            dtypes = {p.dtype for group in self.param_groups for p in group["params"]}
-            if dtypes - {torch.float32, torch.float64}:
-                raise ValueError(
-                    "DeepSpeedCPUAdam: fp32_optimizer_states=True needs fp32 parameters "
-                    f"(got {sorted(map(str, dtypes))}); pass fp32_optimizer_states=False to keep "
-                    "the moments in the parameters' dtype"
-                )
+        check_fp32_states("DeepSpeedCPUAdam", self, fp32_optimizer_states)
         self.adam_w_mode = adamw_mode
         self.fp32_optimizer_states = fp32_optimizer_states
+
+
+def check_fp32_states(name: str, optimizer: torch.optim.Optimizer, fp32_states: bool) -> None:
+    """torch keeps optimizer states in each parameter's dtype: fp32 states need fp32 parameters
+    (the DeepSpeedCPU* optimizers' `fp32_optimizer_states`, their default)."""
+    if not fp32_states:
+        return
+    dtypes = {p.dtype for group in optimizer.param_groups for p in group["params"]}
+    if dtypes - {torch.float32, torch.float64}:
+        raise ValueError(
+            f"{name}: fp32_optimizer_states=True needs fp32 parameters (got "
+            f"{sorted(map(str, dtypes))}); pass fp32_optimizer_states=False to keep the states in "
+            "the parameters' dtype"
+        )

@@ -11,6 +11,7 @@ from shardspeed.config.base import StrictModel
 from shardspeed.config.optimizer import OPTIMIZER_PARAMS, AdamParams
 from shardspeed.config.scheduler import SCHEDULER_PARAMS
 from shardspeed.optim.lamb import Lamb
+from shardspeed.optim.lion import Lion
 from shardspeed.optim.lr_schedules import (
     LRRangeTest,
     OneCycle,
@@ -102,7 +103,7 @@ def build_optimizer(
     `Adam`/`AdamW` become `torch.optim.Adam` (L2 decay, only for type Adam with `adam_w_mode: false`)
     or `torch.optim.AdamW`, fused where torch supports it; `torch_adam` keeps DeepSpeed's meaning for
     the keys and defaults it allows, and both paths run torch's implementation. `Lamb` is shardspeed's
-    FusedLamb-equivalent; `SGD` and `Adagrad` are torch's own; `OneBitAdam` and `ZeroOneAdam`
+    FusedLamb-equivalent, `Lion` its FusedLion's; `SGD` and `Adagrad` are torch's own; `OneBitAdam` and `ZeroOneAdam`
     communicate their own (compressed) momentum after their warm-up (optim/onebit.py).
     """
     _check_params("optimizer", name, params, OPTIMIZER_PARAMS)
@@ -111,6 +112,8 @@ def build_optimizer(
         return _adam(params, param_list)
     if name == "Lamb":
         return Lamb(param_list, **params.model_dump(exclude={"amsgrad"}))
+    if name == "Lion":
+        return Lion(param_list, **params.model_dump())
     if name in _COMPRESSED:
         return _COMPRESSED[name](param_list, **params.model_dump())
     optimizer_class = torch.optim.SGD if name == "SGD" else torch.optim.Adagrad

@@ -15,7 +15,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR"]
+__all__ = [
+    "VALID_LR_SCHEDULES",
+    "LRRangeTest",
+    "OneCycle",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
+]
+
+# DeepSpeed's schedule type names (accelerate hands a client scheduler of one of these types to
+# initialize instead of wrapping it).
+LR_RANGE_TEST = "LRRangeTest"
+ONE_CYCLE = "OneCycle"
+WARMUP_LR = "WarmupLR"
+WARMUP_DECAY_LR = "WarmupDecayLR"
+WARMUP_COSINE_LR = "WarmupCosineLR"
+VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
 
 logger = logging.getLogger("shardspeed")
 

@@ -271,7 +271,7 @@ class PipelineEngine(ShardSpeedEngine):
     def _clock(self) -> float:
         """Host time; on CUDA after the device caught up, with `wall_clock_breakdown` only (a
         sync per pass would cost the overlap the pipeline exists for)."""
-        if self.device.type == "cuda" and self.config.wall_clock_breakdown:
+        if self.device.type == "cuda" and self.run_config.wall_clock_breakdown:
             torch.cuda.synchronize()
         return time.perf_counter()
 
@@ -401,7 +401,7 @@ class PipelineEngine(ShardSpeedEngine):
         return total
 
     def _report_bubble(self) -> None:
-        every = self.config.steps_per_print
+        every = self.run_config.steps_per_print
         if not every or self.global_steps % every or self.global_rank != 0 or not self.bubble:
             return
         measured, theory = self.bubble

@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import comm
-from ..comm import init_distributed
-from ..config import ConfigError, load_config, non_default_settings
+from .. import comm, compat, shardspeed_version
+from ..comm import groups, init_distributed
+from ..compat import DEEPSPEED_VERSION
+from ..config import ConfigError, load_config, non_default_settings, read_config_source
 from ..pipe import PipelineEngine, PipelineModule
 from .engine import ShardSpeedEngine, refuse_unsupported_expert_parallelism
 
@@ -56,7 +57,9 @@ def initialize(
         topology = model.topo if pipelined else comm.Topology.build(mpu, tensor_parallel)
         return topology.dp_world_size
 
-    run_config = load_config(source, data_parallel_size)
+    config_dict = source if isinstance(source, dict) else read_config_source(source)
+    run_config = load_config(config_dict, data_parallel_size)
+    groups.use_topology(topology)
     refuse_unsupported_expert_parallelism(model, topology, run_config)
     if topology.tp_world_size > 1 and not pipelined and mpu is None:
         from ..tensor_parallel.from_config import apply_autotp
@@ -68,6 +71,11 @@ def initialize(
             f"model is a {type(model).__name__}: remove the section or build a PipelineModule"
         )
     logger = logging.getLogger("shardspeed")
+    logger.info(
+        "shardspeed %s%s",
+        shardspeed_version,
+        f" standing in for deepspeed {DEEPSPEED_VERSION}" if compat.is_installed() else "",
+    )
     logger.info(
         "world size %d (data %d x pipeline %d x tensor %d), batch %d = micro %d x "
         "accumulation %d x %d ranks",
@@ -98,6 +106,7 @@ def initialize(
         lr_scheduler=lr_scheduler,
         training_data=training_data,
         collate_fn=collate_fn,
+        config_dict=config_dict,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .. import checkpointing
+from ..accelerator import get_accelerator
 from ..autotuning.metric import AutotuningMeter
 from ..checkpoint import load_engine, save_engine
 from ..checkpoint.values import all_gather_json
@@ -31,6 +32,7 @@ from ..moe.gating import imbalance
 from ..moe.layer import MoE
 from ..monitor import MonitorMaster, NullRecorder, TraceRecorder, merge_gathered, training_events
 from ..optim import build_optimizer, build_scheduler
+from ..optim.lion import Lion
 from ..optim.onebit import CompressedOptimizer
 from ..precision import build_loss_scaler
 from ..profiling.flops_profiler import FlopsProfiler
@@ -45,6 +47,7 @@ from ..zero import (
     TiedParameters,
     ZeroOptimizer,
 )
+from ..zero.init import materialize
 from .dataloader import DistributedDataLoader
 
 logger = logging.getLogger("shardspeed")
@@ -52,6 +55,7 @@ logger = logging.getLogger("shardspeed")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Optimizers whose update of an element depends only on that element: safe on flat ZeRO shards.
 _ELEMENTWISE_OPTIMIZERS = (
+    Lion,
     torch.optim.Adam,
     torch.optim.AdamW,
     torch.optim.SGD,
@@ -74,9 +78,15 @@ class ShardSpeedEngine(nn.Module):
         lr_scheduler: Any = None,
         training_data: Any = None,
         collate_fn: Callable | None = None,
+        config_dict: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.config = config
+        # `config` is DeepSpeed's: the dict the run was configured with, as given (libraries read
+        # it with .get()); `run_config` is the validated, resolved config the engine runs by.
+        self.run_config = config
+        self.config = (
+            config_dict if config_dict is not None else config.model_dump(exclude_defaults=True)
+        )
         self.topology = topology
         self.device = _device()
         self.global_steps = 0
@@ -86,6 +96,8 @@ class ShardSpeedEngine(nn.Module):
         self._first_micro_step = 0
         self._step_applied = False
         self._in_no_sync = False
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
+        self._is_compiled = False
         self._timers: dict[str, float] = {}
         # Monitors write on rank 0; `enabled` is the same on every rank, so what it gates may
         # include collectives. The tracer records nothing until `start_trace()`.
@@ -148,7 +160,7 @@ class ShardSpeedEngine(nn.Module):
     def _state_summary(self) -> str:
         """DeepSpeed's `dump_state`: the resolved config and how the engine is laid out."""
         return (
-            f"config={self.config.model_dump(exclude_defaults=True)}, topology={self.topology}, "
+            f"config={self.run_config.model_dump(exclude_defaults=True)}, topology={self.topology}, "
             f"optimizer={self.optimizer!r}, scheduler={type(self.lr_scheduler).__name__}, "
             f"moe_layers={sorted(self.moe_layers)}, memory={self.memory_breakdown()}"
         )
@@ -166,7 +178,7 @@ class ShardSpeedEngine(nn.Module):
                     f"an MoE layer has ep_size {size}, which does not divide the data-parallel "
                     f"size {topo.dp_world_size}"
                 )
-            groups = topo.expert_groups(size, self.config.use_data_before_expert_parallelism)
+            groups = topo.expert_groups(size, self.run_config.use_data_before_expert_parallelism)
             for layer in layers.values():
                 if layer.ep_size == size:
                     layer.set_expert_groups(groups)
@@ -218,7 +230,7 @@ class ShardSpeedEngine(nn.Module):
 
     def _build_optimizer(self, client: Any, model_parameters: Any) -> torch.optim.Optimizer | None:
         params = model_parameters if model_parameters is not None else self.module.parameters()
-        if client is not None and self.config.optimizer is not None:
+        if client is not None and self.run_config.optimizer is not None:
             raise ConfigError(
                 "an optimizer was passed to initialize() and the config has an 'optimizer' "
                 "section: remove one (DeepSpeed silently prefers the client optimizer)"
@@ -231,15 +243,18 @@ class ShardSpeedEngine(nn.Module):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer or a callable, not {client!r}"
             )
-        if self.config.optimizer is None:
+        if self.run_config.optimizer is None:
             return None
-        name, params_model = optimizer_params(self.config)
+        name, params_model = optimizer_params(self.run_config)
         return build_optimizer(name, params_model, params)
 
     def _wrap_optimizer(self, basic: torch.optim.Optimizer | None) -> ZeroOptimizer | None:
         if basic is None:
+            # Nothing to train, so nothing is sharded: what zero.Init sliced is made whole again
+            # (an engine for evaluation only, as transformers builds for evaluate()).
+            materialize(self.module.parameters())
             return None
-        config = self.config
+        config = self.run_config
         zero = config.zero_optimization
         untested = not isinstance(basic, _ELEMENTWISE_OPTIMIZERS) and config.optimizer is None
         if zero.stage >= 1 and untested and not config.zero_allow_untested_optimizer:
@@ -340,7 +355,7 @@ class ShardSpeedEngine(nn.Module):
         return []
 
     def _build_scheduler(self, client: Any) -> Any:
-        if client is not None and self.config.scheduler is not None:
+        if client is not None and self.run_config.scheduler is not None:
             raise ConfigError(
                 "an lr_scheduler was passed to initialize() and the config has a 'scheduler' "
                 "section: remove one"
@@ -349,11 +364,17 @@ class ShardSpeedEngine(nn.Module):
             if callable(client) and not hasattr(client, "step"):
                 return client(self.basic_optimizer)
             return client
-        if self.config.scheduler is None:
+        if self.run_config.scheduler is None:
             return None
         if self.basic_optimizer is None:
-            raise ConfigError("'scheduler' needs an optimizer: add an 'optimizer' section")
-        name, params_model = scheduler_params(self.config)
+            # DeepSpeed builds no scheduler without an optimizer either; transformers leaves the
+            # section in the config it reuses for evaluation.
+            logger.warning(
+                "the config's 'scheduler' section is not used: there is no optimizer (no "
+                "'optimizer' section and none passed to initialize), so nothing is scheduled"
+            )
+            return None
+        name, params_model = scheduler_params(self.run_config)
         return build_scheduler(name, params_model, self.basic_optimizer)
 
     def deepspeed_io(
@@ -374,7 +395,7 @@ class ShardSpeedEngine(nn.Module):
             self.topology.dp_rank,
             self.topology.dp_world_size,
             collate_fn=collate_fn,
-            drop_last=self.config.dataloader_drop_last,
+            drop_last=self.run_config.dataloader_drop_last,
             num_workers=num_local_io_workers or 0,
             pin_memory=pin_memory and self.device.type == "cuda",
             sampler=data_sampler,
@@ -399,10 +420,10 @@ class ShardSpeedEngine(nn.Module):
         if (
             profiler is not None
             and not profiler.started
-            and self.global_steps == self.config.flops_profiler.profile_step
+            and self.global_steps == self.run_config.flops_profiler.profile_step
         ):
             profiler.start_profile()
-        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+        if self.run_config.fp16.enabled and self.run_config.fp16.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), torch.float16)
         if self.optimizer is not None and self.optimizer.sharded_params is not None:
             self.optimizer.sharded_params.begin_pass(torch.is_grad_enabled())
@@ -465,7 +486,7 @@ class ShardSpeedEngine(nn.Module):
         if self.comms_logger.enabled:
             self.comm_summary = self.comms_logger.step_summary()
         if self.flops_profiler is not None and self.flops_profiler.started:
-            section = self.config.flops_profiler
+            section = self.run_config.flops_profiler
             self.flops_profiler.print_model_profile(
                 profile_step=section.profile_step,
                 module_depth=section.module_depth,
@@ -499,8 +520,22 @@ class ShardSpeedEngine(nn.Module):
             self.optimizer.start_micro_step(self._reduces_this_micro_step())
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether this micro-step ends an accumulation window: every `gradient_accumulation_steps`
+        micro-steps, or what `set_gradient_accumulation_boundary` last said."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         micro_step = self.micro_steps - self._first_micro_step
         return (micro_step + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Let the caller decide where accumulation windows end (accelerate does): from now on,
+        until changed again, the micro-step is a boundary exactly when `is_boundary` is true, so
+        gradients are averaged in that backward and `step()` applies the update. Call it before the
+        micro-step's backward; the counter of `gradient_accumulation_steps` no longer decides."""
+        if not isinstance(is_boundary, bool):
+            raise TypeError(f"is_boundary must be a bool, not {type(is_boundary).__name__}")
+        self._boundary_override = is_boundary
+        self._prepare_micro_step()
 
     def zero_grad(self) -> None:
         if self.optimizer is not None:
@@ -529,7 +564,7 @@ class ShardSpeedEngine(nn.Module):
     @contextlib.contextmanager
     def _timed(self, name: str) -> Iterator[None]:
         category = _TRACE_CATEGORIES.get(name, "compute")
-        if not self.config.wall_clock_breakdown:
+        if not self.run_config.wall_clock_breakdown:
             with self.tracer.span(name, category):
                 yield
             return
@@ -543,7 +578,7 @@ class ShardSpeedEngine(nn.Module):
         self._timers[name] = self._timers.get(name, 0.0) + time.perf_counter() - start
 
     def _report(self) -> None:
-        every = self.config.steps_per_print
+        every = self.run_config.steps_per_print
         if not every or self.global_steps % every or self.global_rank != 0:
             return
         lr = ", ".join(f"{v:.4e}" for v in self.get_lr())
@@ -554,7 +589,7 @@ class ShardSpeedEngine(nn.Module):
         if loads:
             line += f", moe_imbalance_max={max(loads):.2f}"
         logger.info(line)
-        if self.config.memory_breakdown:
+        if self.run_config.memory_breakdown:
             sizes = ", ".join(f"{k} {_size(v)}" for k, v in self.memory_breakdown().items())
             logger.info("memory held: %s", sizes)
         if self._timers:
@@ -657,7 +692,7 @@ class ShardSpeedEngine(nn.Module):
     def _set_batch(self, train_batch_size: int, micro_batch_size: int) -> None:
         if (self.micro_steps - self._first_micro_step) % self.gradient_accumulation_steps():
             raise RuntimeError("change the batch size only at an accumulation boundary")
-        self.config = self.config.model_copy(
+        self.run_config = self.run_config.model_copy(
             update={
                 "train_batch_size": train_batch_size,
                 "train_micro_batch_size_per_gpu": micro_batch_size,
@@ -669,25 +704,25 @@ class ShardSpeedEngine(nn.Module):
         self._prepare_micro_step()
 
     def train_batch_size(self) -> int:
-        return self.config.train_batch_size
+        return self.run_config.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
+        return self.run_config.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+        return self.run_config.gradient_accumulation_steps
 
     def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
+        return self.run_config.gradient_clipping
 
     def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
+        return self.run_config.zero_optimization.stage
 
     def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
+        return self.run_config.fp16.enabled
 
     def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
+        return self.run_config.bf16.enabled
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.basic_optimizer.param_groups]
@@ -697,6 +732,61 @@ class ShardSpeedEngine(nn.Module):
             group.get("betas", (group.get("momentum"),))[0]
             for group in self.basic_optimizer.param_groups
         ]
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """`zero_optimization.stage3_gather_16bit_weights_on_model_save` (DeepSpeed's accessor)."""
+        return self.run_config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict in its training dtype on rank 0 (None on the others), the
+        stage-3 parameters gathered: DeepSpeed's name, which transformers and accelerate call
+        (collective)."""
+        state = self.consolidated_state_dict(exclude_frozen_parameters)
+        return state if self.global_rank == 0 else None
+
+    def _consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """`_zero3_consolidated_16bit_state_dict` at stage 3 (collective), as DeepSpeed's engine
+        dispatches. DeepSpeed also consolidates tensor-parallel pieces here; shardspeed does that
+        from a checkpoint (`shardspeed-ckpt consolidate`), not from a live engine."""
+        if self.zero_optimization_stage() == 3 and self.topology.tp_world_size == 1:
+            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.topology.tp_world_size > 1:
+            raise ValueError(
+                "consolidating tensor-parallel pieces from a live engine is not supported: save a "
+                "checkpoint and consolidate it with `shardspeed-ckpt consolidate`"
+            )
+        raise ValueError(
+            "consolidated_16bit_state_dict is only applicable where weights are partitioned "
+            "(ZeRO stage 3); use engine.module.state_dict() at stage "
+            f"{self.zero_optimization_stage()}"
+        )
+
+    def compile(
+        self,
+        backend: str | None = None,
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule: Any = None,
+    ) -> None:
+        """`torch.compile` the wrapped module in place (DeepSpeed's `engine.compile`, as accelerate
+        calls it). `schedule` names DeepSpeed's DeepCompile passes, which shardspeed lacks."""
+        if schedule is not None:
+            raise ValueError(
+                "engine.compile(schedule=...) selects DeepSpeed's DeepCompile passes, which "
+                "shardspeed does not have; call compile() without it"
+            )
+        if self.is_compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        self.module.compile(backend=backend or get_accelerator().get_compile_backend(), **kwargs)
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._is_compiled
 
     def save_16bit_model(
         self,
@@ -716,7 +806,7 @@ class ShardSpeedEngine(nn.Module):
                 f"save_filename {save_filename!r}: shardspeed writes safetensors only (no pickles); "
                 "use a name ending in .safetensors"
             )
-        zero = self.config.zero_optimization
+        zero = self.run_config.zero_optimization
         if zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
             raise ConfigError(
                 "save_16bit_model() at ZeRO stage 3 gathers every parameter: set "
@@ -883,6 +973,10 @@ class ShardSpeedEngine(nn.Module):
         return self._step_applied
 
 
+# DeepSpeed's name for the engine class (accelerate, TRL and user code test `isinstance` against it).
+DeepSpeedEngine = ShardSpeedEngine
+
+
 def refuse_unsupported_expert_parallelism(
     model: nn.Module, topology: Topology, config: ShardSpeedConfig
 ) -> None:
@@ -953,11 +1047,12 @@ _TRACE_CATEGORIES = {"reduce": "communication", "step": "optimizer"}
 
 
 def _device() -> torch.device:
-    """The local GPU when there is one and the process group can carry CUDA tensors (NCCL);
-    a gloo group (a CPU job, or the CPU test harness on a GPU machine) trains on the CPU."""
+    """The local GPU when the accelerator is CUDA and the process group can carry CUDA tensors
+    (NCCL); a gloo group (a CPU job, or the CPU test harness on a GPU machine) trains on the CPU."""
     gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
-    if torch.cuda.is_available() and not gloo:
-        return torch.device("cuda", get_local_rank())
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cuda" and not gloo:
+        return accelerator.device(get_local_rank())
     return torch.device("cpu")
 
 

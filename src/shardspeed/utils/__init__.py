@@ -1,4 +1,14 @@
-"""Small helpers shared by the rooms, and DeepSpeed's `deepspeed.utils` functions users call."""
+"""Small helpers shared by the rooms, and DeepSpeed's `deepspeed.utils` names that users and
+libraries call. Importing the package loads no torch: the names that need it load on first use."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
 
 from .z3_leaf_module import (
     get_z3_leaf_modules,
@@ -7,4 +17,61 @@ from .z3_leaf_module import (
     z3_leaf_module,
 )
 
-__all__ = ["get_z3_leaf_modules", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"]
+# DeepSpeed's `deepspeed.utils.logger`: shardspeed's logger (transformers sets its level).
+logger = logging.getLogger("shardspeed")
+
+_LAZY = {
+    "groups": "shardspeed.comm.groups",
+    **{
+        name: "shardspeed.zero.tensor_fragment"
+        for name in (
+            "safe_get_full_fp32_param",
+            "safe_get_full_grad",
+            "safe_get_full_optimizer_state",
+            "safe_get_local_fp32_param",
+            "safe_get_local_grad",
+            "safe_get_local_optimizer_state",
+            "safe_set_full_fp32_param",
+            "safe_set_full_grad",
+            "safe_set_full_optimizer_state",
+            "safe_set_local_fp32_param",
+            "safe_set_local_grad",
+            "safe_set_local_optimizer_state",
+        )
+    },
+}
+
+__all__ = [
+    "get_z3_leaf_modules",
+    "log_dist",
+    "logger",
+    "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    *_LAZY,
+]
+
+
+def log_dist(message: str, ranks: Sequence[int] | None = None, level: int = logging.INFO) -> None:
+    """DeepSpeed's `log_dist`: log `message` on the given ranks (`[-1]`: every rank; none given:
+    rank 0 of a distributed job, or the one process of a job without one)."""
+    dist = sys.modules.get("torch.distributed")
+    initialized = dist is not None and dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if initialized else int(os.environ.get("RANK", "0"))
+    chosen = list(ranks or [0])
+    if chosen[0] == -1 or rank in chosen:
+        # Marked, so the rank-0 filter of shardspeed's handler lets the chosen ranks through.
+        logger.log(level, "[Rank %d] %s", rank, message, extra={"shardspeed_any_rank": True})
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'shardspeed.utils' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name])
+    value = module if module.__name__.endswith(f".{name}") else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

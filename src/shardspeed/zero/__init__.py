@@ -2,7 +2,7 @@
 
 from .estimate import model_state_bytes
 from .flat import FlatLayout
-from .init import Init
+from .init import Init, ZeroParamStatus
 from .offload import OffloadOptions
 from .optimizer import (
     ExpertParameters,
@@ -12,7 +12,12 @@ from .optimizer import (
     TiedParameters,
     ZeroOptimizer,
 )
-from .partitioned import GatheredParameters, Stage3Options
+from .partitioned import (
+    GatheredParameters,
+    Stage3Options,
+    register_external_parameter,
+    unregister_external_parameter,
+)
 from .reducer import GradientReducer
 from .swap import AioOptions
 
@@ -30,5 +35,8 @@ __all__ = [
     "Stage3Options",
     "TiedParameters",
     "ZeroOptimizer",
+    "ZeroParamStatus",
     "model_state_bytes",
+    "register_external_parameter",
+    "unregister_external_parameter",
 ]

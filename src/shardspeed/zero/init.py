@@ -2,16 +2,23 @@
 
 Inside the context, when a module's (outermost) `__init__` returns, each of its own parameters is
 made equal across ranks (rank 0's values), cut into N equal slices of its flattened values, and only
-this rank's slice is kept (`p.ds_shard`; `p.ds_shape` and `p.ds_numel` keep the logical shape).
-The parameter's own storage becomes empty. So a rank never holds more than (model / N) plus the
-module being built. The stage-3 engine rebuilds its unit shards from these slices one unit at a
-time (`full_value`), so the whole model never exists in one process.
+this rank's slice is kept (`p.ds_tensor`; `p.ds_shape` and `p.ds_numel` keep the logical shape,
+`p.ds_id` numbers it, `p.ds_status` says whether it is whole now). The parameter's own storage
+becomes empty. So a rank never holds more than (model / N) plus the module being built. The stage-3
+engine rebuilds its unit shards from these slices one unit at a time (`full_value`), so the whole
+model never exists in one process.
+
+Before `initialize`, `GatheredParameters` makes such parameters whole with `gather` and puts them
+back with `release`: with a modifier rank, that rank's values are broadcast and re-sliced into
+every rank's `ds_tensor` (how transformers initialises and loads weights under ZeRO-3).
 """
 
 from __future__ import annotations
 
+import enum
 import functools
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -20,6 +27,17 @@ from torch import nn
 
 from ..comm import all_gather_into_tensor, broadcast, init_distributed
 from .offload import return_large_blocks_to_the_os
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's states of a ZeRO-3 parameter (`p.ds_status`)."""
+
+    AVAILABLE = 1  # whole on this rank now
+    NOT_AVAILABLE = 2  # only this rank's slice is held
+    INFLIGHT = 3  # being gathered
+
+
+_ids = itertools.count()
 
 
 class Init:
@@ -41,8 +59,9 @@ class Init:
         del mem_efficient_linear, pin_memory  # no effect without custom kernels or offload
         if remote_device not in (None, "none"):
             raise ValueError(
-                f"zero.Init(remote_device={remote_device!r}) is not supported yet (issue 6, "
-                "offload); leave it unset"
+                f"zero.Init(remote_device={remote_device!r}) is not supported: slices are built "
+                "on the training device; to hold them in host memory or on NVMe once training "
+                "starts, set 'zero_optimization.offload_param.device' in the config"
             )
         source = config_dict_or_path if config_dict_or_path is not None else config
         if source is not None:
@@ -100,38 +119,105 @@ class Init:
 
     def _shard_own(self, module: nn.Module) -> None:
         for p in module.parameters(recurse=False):
-            if hasattr(p, "ds_shard"):
+            if hasattr(p, "ds_tensor"):
                 continue
             values = p.data if self.dtype is None else p.data.to(self.dtype)
             flat = values.reshape(-1).contiguous()
             if self.world > 1:
                 broadcast(flat, src=self.root, group=self.group)
-            chunk = -(-flat.numel() // self.world)
-            padded = torch.zeros(chunk * self.world, dtype=flat.dtype, device=flat.device)
-            padded[: flat.numel()] = flat
             p.ds_shape = values.shape
             p.ds_numel = values.numel()
-            p.ds_shard = padded[self.rank * chunk : (self.rank + 1) * chunk].clone()
             p.ds_group = self.group
-            p.data = torch.empty(0, dtype=flat.dtype, device=flat.device)
+            p.ds_id = next(_ids)
+            _keep_slice(p, flat)
+
+
+def _keep_slice(p: torch.Tensor, whole: torch.Tensor) -> None:
+    """Keep this rank's slice of `whole` (p's flattened values) as `p.ds_tensor`; free the rest."""
+    world, rank = _group_world_rank(p.ds_group)
+    chunk = -(-whole.numel() // world)
+    padded = torch.zeros(chunk * world, dtype=whole.dtype, device=whole.device)
+    padded[: whole.numel()] = whole
+    p.ds_tensor = padded[rank * chunk : (rank + 1) * chunk].clone()
+    p.data = torch.empty(0, dtype=whole.dtype, device=whole.device)
+    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def _group_world_rank(group: Any) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def full_value(p: torch.Tensor) -> torch.Tensor:
     """A parameter's whole value: its data, or for a `zero.Init` parameter its slices gathered."""
-    if not hasattr(p, "ds_shard"):
+    if not is_init_sharded(p) or p.ds_status == ZeroParamStatus.AVAILABLE:
         return p.data
-    shard = p.ds_shard.to(device=p.device, dtype=p.dtype)
-    world = dist.get_world_size(p.ds_group) if dist.is_initialized() else 1
-    out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=shard.device)
-    if world > 1:
-        all_gather_into_tensor(out, shard, group=p.ds_group)
-    else:
-        out.copy_(shard)
-    return out[: p.ds_numel].view(p.ds_shape)
+    return _gathered([p])[0]
 
 
 def is_init_sharded(p: torch.Tensor) -> bool:
-    return hasattr(p, "ds_shard")
+    return hasattr(p, "ds_tensor")
+
+
+def _gathered(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The whole values of `zero.Init` parameters of one group: one all-gather for all of them."""
+    world, _ = _group_world_rank(params[0].ds_group)
+    slices = [p.ds_tensor.to(device=p.device, dtype=p.dtype) for p in params]
+    mine = torch.cat(slices) if len(slices) > 1 else slices[0]
+    out = torch.empty(mine.numel() * world, dtype=mine.dtype, device=mine.device)
+    if world > 1:
+        all_gather_into_tensor(out, mine, group=params[0].ds_group)
+    else:
+        out.copy_(mine)
+    by_rank = out.view(world, mine.numel())
+    values, start = [], 0
+    for p, piece in zip(params, slices):
+        whole = by_rank[:, start : start + piece.numel()].reshape(-1)
+        values.append(whole[: p.ds_numel].view(p.ds_shape))
+        start += piece.numel()
+    return values
+
+
+def _by_group(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(id(p.ds_group), []).append(p)
+    return list(groups.values())
+
+
+def gather(params: Iterable[torch.Tensor]) -> None:
+    """Make `zero.Init` parameters whole on every rank of their group (collective)."""
+    for members in _by_group(p for p in params if p.ds_status != ZeroParamStatus.AVAILABLE):
+        for p, value in zip(members, _gathered(members)):
+            p.data = value
+            p.ds_status = ZeroParamStatus.AVAILABLE
+
+
+def release(params: Iterable[torch.Tensor], modifier_rank: int | None) -> None:
+    """Back to slices. With `modifier_rank` (a rank of the parameters' group), that rank's whole
+    values are broadcast and become every rank's slices; without, changes are dropped, as in
+    DeepSpeed (collective)."""
+    for members in _by_group(p for p in params if p.ds_status == ZeroParamStatus.AVAILABLE):
+        if modifier_rank is None:
+            for p in members:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+            continue
+        for p in members:
+            if p.data.numel() != p.ds_numel:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.ds_shape)} was given {p.data.numel()} "
+                    "elements inside GatheredParameters: change its values, not its size"
+                )
+        group = members[0].ds_group
+        flat = torch.cat([p.data.reshape(-1) for p in members])
+        world, _ = _group_world_rank(group)
+        if world > 1:
+            src = modifier_rank if group is None else dist.get_global_rank(group, modifier_rank)
+            broadcast(flat, src=src, group=group)
+        for p, whole in zip(members, flat.split([p.ds_numel for p in members])):
+            _keep_slice(p, whole)
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -142,3 +228,13 @@ def _subclasses(cls: type) -> list[type]:
                 found.append(sub)
                 todo.append(sub)
     return found
+
+
+def materialize(params: Iterable[torch.Tensor]) -> None:
+    """Turn `zero.Init` parameters into ordinary whole ones on every rank (collective): for those
+    the engine does not shard (frozen ones, or an engine without an optimizer)."""
+    sharded = [p for p in params if is_init_sharded(p)]
+    gather(sharded)
+    for p in sharded:
+        for name in ("ds_tensor", "ds_status"):
+            p.__dict__.pop(name, None)

@@ -40,7 +40,7 @@ from torch import nn
 from ..comm import all_gather, all_gather_into_tensor, all_reduce, broadcast, get_rank
 from ..precision import LossScaler, StaticLossScaler
 from .flat import FlatLayout, logical_shape
-from .init import full_value, is_init_sharded
+from .init import full_value, is_init_sharded, materialize
 from .offload import OffloadOptions, SwappedStates
 from .partitioned import (
     MemoryShard,
@@ -163,6 +163,9 @@ class ZeroOptimizer:
 
         self.norm_group = norm_group
         groups = _managed_groups(module, optimizer)
+        managed = {p for group in groups for p in group}
+        # zero.Init sliced every parameter; those the optimizer does not train stay whole.
+        materialize(p for p in module.parameters() if p not in managed)
         if experts and stage == 3:
             raise ValueError(
                 "expert parallelism (MoE ep_size > 1) works with ZeRO stages 0 to 2, not 3"
@@ -204,6 +207,8 @@ class ZeroOptimizer:
         self._param_place = [
             self.region_place[r] for r, region in enumerate(regions) for _ in region
         ]
+        self._param_region = [r for r, region in enumerate(regions) for _ in region]
+        self.param_index = {p: i for i, p in enumerate(self.params)}
         names = {p: n for n, p in module.named_parameters()}
         names.update((p, n) for e in experts for p, n in zip(e.params, e.names))
         self.param_names = [names[p] for p in self.params]
@@ -258,20 +263,22 @@ class ZeroOptimizer:
                     for p in region_params[r]:
                         # zero.Init's slice now lives in the store: free it unit by unit, so the
                         # rank never holds its share of the model twice.
-                        p.__dict__.pop("ds_shard", None)
+                        p.__dict__.pop("ds_tensor", None)
             self.sharded_params = ShardedParameters(
                 units, self.layout, unit_regions, store, self.params, dp_group, stage3, device
             )
             self.sharded_params.refresh_persistent()
         else:
-            if any(is_init_sharded(p) for p in self.params):
+            # Stage 3 on one rank runs unsharded (see above): zero.Init's slices are then whole.
+            if stage != 3 and any(is_init_sharded(p) for p in self.params):
                 raise ValueError(
                     "the model was built under zero.Init, which shards parameters for ZeRO stage "
-                    f"3, but the config asks for stage {self.stage}"
+                    f"3, but the config asks for stage {stage}"
                 )
             self.model_flat = self._whole(0, self.layout.total, model_dtype, device)
             for p, view in zip(self.params, self.layout.views(self.model_flat)):
                 p.data = view
+                p.__dict__.pop("ds_tensor", None)
 
         # Gradients accumulate in fp32 unless the model is fp16 (DeepSpeed keeps fp16 gradients).
         self.grad_dtype = torch.float16 if model_dtype == torch.float16 else torch.float32
@@ -312,6 +319,9 @@ class ZeroOptimizer:
             self.sharded_params.after_write = lambda: self.master_flat.copy_(
                 self.sharded_params.store.flat
             )
+        # deepspeed.utils.safe_get_full_* find the optimizer from the parameter.
+        for p in self.params:
+            p._shardspeed_optimizer = weakref.ref(self)
         # Stages 2 and 3 take gradients through the reducer's buckets even on one rank.
         sharded_grads = dp_world_size > 1 or self.stage >= 2
         self.reducer = self._build_reducer(reduce, device) if sharded_grads else None
@@ -769,6 +779,38 @@ class ZeroOptimizer:
                     own.append((name, lo - offset, lo - s, hi - lo))
             pieces.append(own)
         return pieces
+
+    def fragments(self, i: int) -> list[tuple[int, int, int, int]]:
+        """Where this rank holds parameter `i`'s master values: (master, first element in the
+        flattened parameter, offset in the master, length). Stage 0 holds each whole; otherwise
+        the part inside this rank's shard of the parameter's region, if any."""
+        if self.stage == 0:
+            return [(i, 0, 0, self.layout.numels[i])]
+        r = self._param_region[i]
+        offset, numel = self.layout.offsets[i], self.layout.numels[i]
+        s, e = self.shard_ranges[r]
+        lo, hi = max(s, offset), min(e, offset + numel)
+        return [(r, lo - offset, lo - s, hi - lo)] if lo < hi else []
+
+    def fragment_group(self, i: int) -> tuple[Any, int]:
+        """(group, size) over which parameter `i`'s fragments together make it whole; size 1
+        when this rank holds it whole."""
+        if self.stage == 0:
+            return None, 1
+        group, _, world = self._places[self._param_place[i]]
+        return group, world
+
+    def gradient_piece(self, k: int) -> torch.Tensor:
+        """Master `k`'s gradient as this rank holds it (reduced once the boundary's backward has
+        finished), a flat tensor aligned with `fragments`."""
+        if self.stage == 0:
+            return self._grad_views[k].reshape(-1)
+        if self.stage == 1:
+            s, e = self.shard_ranges[k]
+            return self.grad_flat[s:e]
+        sizes = [e - s for s, e in self.shard_ranges]
+        start = sum(sizes[:k])
+        return self.grad_shard[start : start + sizes[k]]
 
     def writes_master(self, k: int, first_replica: bool) -> bool:
         """Whether this rank writes master `k` to a checkpoint: sharded, every rank its own;

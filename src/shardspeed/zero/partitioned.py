@@ -34,10 +34,34 @@ from ..comm import all_gather_into_tensor, broadcast, get_rank
 from ..config.errors import ConfigError
 from ..utils.z3_leaf_module import z3_leaf_module
 from .flat import FlatLayout, logical_shape
+from .init import ZeroParamStatus, is_init_sharded
+from .init import gather as gather_init_sliced
+from .init import release as release_init_sliced
 
 # The attribute naming the ShardedParameters that owns a parameter (how GatheredParameters finds
 # what to gather; tensors cannot be dictionary keys by value).
 _OWNER = "_shardspeed_shards"
+
+
+# The attribute listing the parameters a module uses in its forward without owning them.
+_EXTERNAL = "_shardspeed_external_parameters"
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Say that `module`'s forward uses `parameter`, which another module owns (DeepSpeed's
+    function of that name). Such a parameter belongs to two gather units, so stage 3 keeps it
+    whole in the persistent unit, the rule for every parameter shared between units."""
+    if not isinstance(parameter, torch.Tensor):
+        raise TypeError(f"register_external_parameter takes a parameter, not {type(parameter)}")
+    external = module.__dict__.setdefault(_EXTERNAL, [])
+    if not any(p is parameter for p in external):
+        external.append(parameter)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Undo `register_external_parameter` (before `initialize` lays the units out)."""
+    external = module.__dict__.get(_EXTERNAL, [])
+    module.__dict__[_EXTERNAL] = [p for p in external if p is not parameter]
 
 
 @dataclass(frozen=True)
@@ -123,7 +147,7 @@ def plan_units(
     homes: dict[nn.Parameter, set[int]] = {}
     for sub in module.modules():
         home = unit_of_module[sub] if unit_of_module[sub] >= 0 else rest
-        for p in sub.parameters(recurse=False):
+        for p in [*sub.parameters(recurse=False), *sub.__dict__.get(_EXTERNAL, ())]:
             homes.setdefault(p, set()).add(home)
     managed = set(params)
     persistent, budget = [], options.model_persistence_threshold
@@ -491,8 +515,10 @@ def _group_rank(group: Any) -> int:
 class GatheredParameters:
     """Make ZeRO-3 parameters whole inside the block, as `deepspeed.zero.GatheredParameters`.
 
-    With `modifier_rank`, that rank's changes are broadcast on exit and written back into every
-    rank's shard (and fp32 master). Parameters that are not partitioned are left alone.
+    Collective: every rank of the parameters' group enters it. With `modifier_rank`, that rank's
+    changes are broadcast on exit and written back into every rank's shard (and fp32 master);
+    without, changes are dropped. It serves the engine's stage-3 parameters and, before
+    `initialize`, those `zero.Init` sliced. Other tensors (whole parameters, buffers) are left alone.
     """
 
     def __init__(
@@ -507,10 +533,13 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self.targets: dict[ShardedParameters, set[int]] = {}
+        self.init_sliced: list[torch.Tensor] = []
         for p in params:
             owner = getattr(p, _OWNER, None)
             if owner is not None:
                 self.targets.setdefault(owner, set()).add(owner.unit_of[owner.index[p]])
+            elif is_init_sharded(p) and p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+                self.init_sliced.append(p)
         self._opened: list[tuple[ShardedParameters, int]] = []
 
     def __enter__(self) -> GatheredParameters:
@@ -521,11 +550,13 @@ class GatheredParameters:
                 if u not in owner.buffers:
                     self._opened.append((owner, u))
                 owner.gather(u)
+        gather_init_sliced(self.init_sliced)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
+        release_init_sliced(self.init_sliced, self.modifier_rank if exc[0] is None else None)
         if self.modifier_rank is not None and exc[0] is None:
             for owner, units in self.targets.items():
                 for u in sorted(units):

@@ -1,0 +1,556 @@
+"""Hugging Face Trainer and accelerate runs on shardspeed, for `test_huggingface.py`.
+
+    SHARDSPEED_AS_DEEPSPEED=1 torchrun --nproc_per_node N tests/hf_jobs.py OUT CASE [CASE ...]
+    SHARDSPEED_AS_DEEPSPEED=1 accelerate launch --use_deepspeed ... tests/hf_jobs.py OUT CASE
+
+The code here is what a user writes: it imports transformers and accelerate, and `deepspeed` only
+where a user would (the switch makes it resolve to shardspeed). Each case trains a tiny Llama built
+from a config (nothing downloaded) on synthetic token ids for a few steps; rank 0 writes
+`OUT/<case>-ws<world size>.json`. Cases run one after another in one process, accelerate's
+process-wide state reset between them (as accelerate's own tests do), since starting processes and
+importing transformers costs far more than a case.
+
+A DeepSpeed run's reference is the same Trainer without DeepSpeed (DDP over gloo) with the same
+optimizer and schedule: the configs say `"scheduler": WarmupLR` with Hugging Face's "auto" values,
+which the reference gets as a torch LambdaLR.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator, DeepSpeedPlugin, PartialState
+from accelerate.state import AcceleratorState
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+VOCAB, SEQ, SAMPLES, STEPS, LR = 64, 16, 64, 4, 1e-3
+
+# Hugging Face's documented configs (the DeepSpeed guide's ZeRO-2 and ZeRO-3 examples), "auto" and all.
+ZERO2 = {
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+    },
+    "zero_optimization": {
+        "stage": 2,
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": "auto",
+        "contiguous_gradients": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+ZERO3 = {
+    **ZERO2,
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+}
+
+CASES: dict[str, Any] = {}
+_references: dict[str, Trainer] = {}
+
+
+def case(fn: Any) -> Any:
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def world() -> int:
+    return torch.distributed.get_world_size()
+
+
+def with_stage(config: dict, stage: int, **zero: Any) -> dict:
+    """`config` (a documented one) at another ZeRO stage, or with more zero_optimization keys."""
+    section = {"stage": stage} if stage < 2 else {**config["zero_optimization"], "stage": stage}
+    return {**config, "zero_optimization": {**section, **zero}}
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=gen)
+    return [{"input_ids": x, "labels": x} for x in ids]
+
+
+def reset(cpu: bool = False) -> None:
+    """Forget accelerate's process-wide state (the process group stays), transformers' DeepSpeed
+    config and the switch TrainingArguments(deepspeed=...) sets for accelerate; then what a
+    CPU-only machine needs before TrainingArguments or Accelerator (`cpu` for a DDP run: without
+    it accelerate does not distribute over CPU processes)."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    unset_hf_deepspeed_config()
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    gc.collect()
+    PartialState(cpu=cpu, backend="gloo")
+
+
+def training_args(out: Path, ds: dict | None, **overrides: Any) -> TrainingArguments:
+    reset()
+    settings = {
+        "output_dir": str(out),
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "max_steps": STEPS,
+        "learning_rate": LR,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "seed": 0,
+        "disable_tqdm": True,
+        "use_cpu": True,
+        "deepspeed": json.loads(json.dumps(ds)) if ds is not None else None,
+        **overrides,
+    }
+    return TrainingArguments(**settings)
+
+
+def warmup_schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """DeepSpeed's WarmupLR as the "auto" values fill it (0 to the lr over 2 steps, log curve),
+    as a LambdaLR. WarmupLR writes the minimum lr when it is built and counts its first step as
+    iteration 0, so update k (from 0) runs at the lr of iteration k - 1: 0, 0, then the full lr."""
+
+    def factor(update: int) -> float:
+        iteration = update - 1
+        if iteration < 0:
+            return 0.0
+        return math.log(iteration + 1) / math.log(2) if iteration < 2 else 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def pretrained(out: Path) -> Path:
+    """A model saved once by rank 0: the start of every run (the ZeRO-3 loading path reads it)."""
+    path = out / "pretrained"
+    if rank() == 0 and not path.exists():
+        torch.manual_seed(0)
+        LlamaForCausalLM(llama_config()).save_pretrained(path)
+    torch.distributed.barrier()
+    return path
+
+
+def llama_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+
+
+def losses(trainer: Trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, on every rank (gathered under ZeRO-3; collective)."""
+    import deepspeed
+
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {name: p.detach().float().clone() for name, p in params.items()}
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def plain(out: Path, start: dict[str, torch.Tensor] | None = None, **overrides: Any) -> Trainer:
+    """The reference: the same Trainer without DeepSpeed, same optimizer and schedule."""
+    key = json.dumps(sorted(overrides.items()))
+    if start is None and key in _references:
+        return _references[key]
+    args = training_args(out / "plain", None, **overrides)
+    model = AutoModelForCausalLM.from_pretrained(pretrained(out))
+    if start is not None:
+        model.load_state_dict(start, strict=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset(),
+        eval_dataset=dataset()[:8],
+        optimizers=(optimizer, warmup_schedule(optimizer)),
+    )
+    trainer.train()
+    trainer.final_eval_loss = trainer.evaluate()["eval_loss"]
+    if start is None:
+        _references[key] = trainer
+    return trainer
+
+
+def deepspeed_trainer(out: Path, ds: dict, model: Any = None, **overrides: Any) -> Trainer:
+    args = training_args(out, ds, **overrides)
+    model = model if model is not None else AutoModelForCausalLM.from_pretrained(pretrained(out))
+    return Trainer(model=model, args=args, train_dataset=dataset(), eval_dataset=dataset()[:8])
+
+
+def record(out: Path, name: str, trainer: Trainer, reference: Trainer, **extra: Any) -> None:
+    engine = trainer.model_wrapped
+    result = {
+        "lrs": [entry["learning_rate"] for entry in trainer.state.log_history if "loss" in entry],
+        "reference_lrs": [e["learning_rate"] for e in reference.state.log_history if "loss" in e],
+        "losses": losses(trainer),
+        "reference_losses": losses(reference),
+        "global_steps": engine.global_steps,
+        "engine": type(engine).__module__ + "." + type(engine).__name__,
+        "zero_stage": engine.config.get("zero_optimization", {}).get("stage"),
+        **extra,
+    }
+    if rank() == 0:
+        (out / f"{name}-ws{world()}.json").write_text(json.dumps(result))
+
+
+# -- Trainer -------------------------------------------------------------------------------------
+
+
+@case
+def trainer_stages(out: Path) -> None:
+    """ZeRO 0, 1 and 2 (the documented ZeRO-2 config, its stage changed) against the reference."""
+    reference = plain(out)
+    for stage in (0, 1, 2):
+        trainer = deepspeed_trainer(out / f"z{stage}", with_stage(ZERO2, stage))
+        trainer.train()
+        record(out, f"trainer_zero{stage}", trainer, reference)
+
+
+@case
+def trainer_zero3_pretrained(out: Path) -> None:
+    """ZeRO-3 with the model loaded by from_pretrained under zero.Init: the loaded weights equal
+    the saved ones exactly; losses equal the reference's; evaluate() after training; save_model
+    (gathering 16-bit weights) then from_pretrained gives the trained weights back."""
+    reference = plain(out)
+    args = training_args(out / "z3", ZERO3)
+    model = AutoModelForCausalLM.from_pretrained(pretrained(out))
+    sliced = all(p.numel() == 0 for p in model.parameters())
+    loaded = full_parameters(model)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(), eval_dataset=dataset()[:8])
+    trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]
+    trained = full_parameters(model)
+    trainer.save_model(out / "z3_saved")
+    extra: dict[str, Any] = {
+        "sliced_by_zero_init": sliced,
+        "eval_loss": eval_loss,
+        "reference_eval_loss": reference.final_eval_loss,
+    }
+    if rank() == 0:
+        saved = load_file(out / "pretrained" / "model.safetensors")
+        extra["loaded_vs_saved"] = max_difference({k: loaded[k] for k in saved}, saved)
+        reloaded = load_file(out / "z3_saved" / "model.safetensors")
+        extra["saved_model_vs_trained"] = max_difference(
+            {k: trained[k] for k in reloaded}, reloaded
+        )
+        extra["saved_model_names"] = sorted(reloaded)
+    record(out, "trainer_zero3_pretrained", trainer, reference, **extra)
+
+
+@case
+def trainer_zero3_from_config(out: Path) -> None:
+    """ZeRO-3 with the model built by from_config after TrainingArguments (zero.Init, then
+    transformers initialises the weights on rank 0 inside GatheredParameters): the weights are
+    finite and equal on every rank, and training matches the reference started from them."""
+    args = training_args(out / "z3c", ZERO3)
+    model = AutoModelForCausalLM.from_config(llama_config())
+    sliced = all(p.numel() == 0 for p in model.parameters())
+    start = full_parameters(model)
+    finite = all(bool(torch.isfinite(v).all()) for v in start.values())
+    spread = [torch.stack([v.sum() for v in start.values()]).double()]
+    gathered = [torch.zeros_like(spread[0]) for _ in range(world())]
+    torch.distributed.all_gather(gathered, spread[0])
+    trainer = Trainer(model=model, args=args, train_dataset=dataset())
+    trainer.train()
+    reference = plain(out, start)
+    record(
+        out,
+        "trainer_zero3_from_config",
+        trainer,
+        reference,
+        sliced_by_zero_init=sliced,
+        finite=finite,
+        ranks_agree=all(torch.equal(g, gathered[0]) for g in gathered),
+    )
+
+
+@case
+def trainer_gradient_accumulation(out: Path) -> None:
+    """gradient_accumulation_steps 2 with micro-batches of 1 = accumulation 1 with micro-batches
+    of 2: the same global batches, the same optimizer steps."""
+    reference = plain(out)
+    trainer = deepspeed_trainer(
+        out / "gas2", ZERO2, per_device_train_batch_size=1, gradient_accumulation_steps=2
+    )
+    trainer.train()
+    engine = trainer.model_wrapped
+    record(
+        out,
+        "trainer_gradient_accumulation",
+        trainer,
+        reference,
+        engine_gas=engine.gradient_accumulation_steps(),
+        micro_steps=engine.micro_steps,
+    )
+
+
+@case
+def trainer_resume(out: Path) -> None:
+    """ZeRO-3: save at step 2, resume_from_checkpoint in a new Trainer, end where the run that
+    never stopped ends; the checkpoint folder holds zero_to_fp32.py."""
+    saving = {"save_strategy": "steps", "save_steps": 2}
+    whole = deepspeed_trainer(out / "resume", ZERO3, **saving)
+    whole.train()
+    uninterrupted = full_parameters(whole.model)
+    resumed = deepspeed_trainer(out / "resume2", ZERO3, **saving)
+    resumed.train(resume_from_checkpoint=str(out / "resume" / "checkpoint-2"))
+    record(
+        out,
+        "trainer_resume",
+        resumed,
+        whole,
+        resumed_vs_uninterrupted=max_difference(full_parameters(resumed.model), uninterrupted),
+        checkpoint_files=sorted(os.listdir(out / "resume" / "checkpoint-2")),
+    )
+
+
+@case
+def trainer_zero3_save_without_gathering(out: Path) -> None:
+    """stage3_gather_16bit_weights_on_model_save false: save_model writes a checkpoint and
+    zero_to_fp32.py instead of model weights, as with DeepSpeed; the test consolidates it."""
+    ds = with_stage(ZERO3, 3, stage3_gather_16bit_weights_on_model_save=False)
+    trainer = deepspeed_trainer(out / "nogather", ds)
+    trainer.train()
+    trained = full_parameters(trainer.model)
+    trainer.save_model(out / "nogather_saved")
+    if rank() == 0:
+        save_file(trained, out / "nogather_trained.safetensors")
+    record(
+        out,
+        "trainer_zero3_save_without_gathering",
+        trainer,
+        plain(out),
+        saved_files=sorted(os.listdir(out / "nogather_saved")),
+    )
+
+
+@case
+def trainer_evaluate_first(out: Path) -> None:
+    """evaluate() before any training at ZeRO-3: transformers builds an engine without optimizer
+    and leaves the 'scheduler' section in the config."""
+    reference = plain(out)
+    trainer = deepspeed_trainer(out / "eval_first", ZERO3)
+    eval_loss = trainer.evaluate()["eval_loss"]
+    plain_args = training_args(out / "plain_eval", None)  # first: it resets the ZeRO-3 config
+    reference_trainer = Trainer(
+        model=AutoModelForCausalLM.from_pretrained(pretrained(out)),
+        args=plain_args,
+        eval_dataset=dataset()[:8],
+    )
+    reference_eval = reference_trainer.evaluate()["eval_loss"]
+    if rank() == 0:
+        result = {"eval_loss": eval_loss, "reference_eval_loss": reference_eval}
+        (out / f"trainer_evaluate_first-ws{world()}.json").write_text(json.dumps(result))
+    del reference
+
+
+@case
+def trainer_bf16(out: Path) -> None:
+    """bf16 ("auto" filled from TrainingArguments(bf16=True, use_cpu=True)) at ZeRO-2."""
+    trainer = deepspeed_trainer(out / "bf16", ZERO2, bf16=True)
+    trainer.train()
+    engine = trainer.model_wrapped
+    record(
+        out,
+        "trainer_bf16",
+        trainer,
+        plain(out),
+        bf16=engine.bfloat16_enabled(),
+        dtype=str(next(engine.module.parameters()).dtype),
+    )
+
+
+@case
+def trainer_cpu_offload(out: Path) -> None:
+    """The documented ZeRO-2 config with the optimizer offloaded to host memory."""
+    ds = with_stage(ZERO2, 2, offload_optimizer={"device": "cpu", "pin_memory": True})
+    trainer = deepspeed_trainer(out / "offload", ds)
+    trainer.train()
+    record(out, "trainer_cpu_offload", trainer, plain(out))
+
+
+# -- accelerate ----------------------------------------------------------------------------------
+
+
+def accelerate_loop(
+    plugin: DeepSpeedPlugin | None, micro: int, steps: int, state_dir: Path | None = None
+) -> tuple[list[float], Any]:
+    """A hand-written accelerate loop: `steps` optimizer steps, each over a global batch of 8
+    samples (micro-batches of `micro` per rank, accumulated as the plugin says), clipped at 1.0.
+    With `state_dir`: save_state after half the steps, load_state into a fresh Accelerator and
+    model, and run the second half there; the losses are the first half's, then the resumed
+    half's. Returns (micro-step losses, the prepared model)."""
+    settings = dict(vars(plugin)) if plugin is not None else None
+
+    def prepared() -> tuple[Accelerator, Any, Any, list]:
+        reset(cpu=settings is None)
+        accelerator = Accelerator(
+            deepspeed_plugin=DeepSpeedPlugin(
+                zero_stage=settings["zero_stage"],
+                gradient_accumulation_steps=settings["gradient_accumulation_steps"],
+                gradient_clipping=1.0,
+            )
+            if settings is not None
+            else None
+        )
+        model = AutoModelForCausalLM.from_pretrained(pretrained(OUT))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        loader = torch.utils.data.DataLoader([d["input_ids"] for d in dataset()], batch_size=micro)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        return accelerator, model, optimizer, list(loader)
+
+    def run(accelerator: Accelerator, model: Any, optimizer: Any, batches: list) -> list[float]:
+        history = []
+        for ids in batches:
+            with accelerator.accumulate(model):
+                loss = model(input_ids=ids, labels=ids).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+            history.append(loss.item())
+        return history
+
+    accelerator, model, optimizer, batches = prepared()
+    per_step = accelerator.gradient_accumulation_steps
+    if state_dir is None:
+        return run(accelerator, model, optimizer, batches[: steps * per_step]), model
+    half = steps // 2 * per_step
+    first = run(accelerator, model, optimizer, batches[:half])
+    accelerator.save_state(state_dir)
+    accelerator, model, optimizer, batches = prepared()
+    accelerator.load_state(state_dir)
+    return first + run(accelerator, model, optimizer, batches[half : steps * per_step]), model
+
+
+OUT = Path(".")
+
+
+@case
+def accelerate_plugin(out: Path) -> None:
+    """Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2|3)): accumulation 2 over
+    micro-batches of 2 = accumulation 1 over micro-batches of 4 = a DDP loop; save_state /
+    load_state resume the second half exactly."""
+    per_rank = 8 // world()
+    ddp, ddp_model = accelerate_loop(None, per_rank, 4)
+    ddp_params = {n: p.detach().clone() for n, p in ddp_model.module.named_parameters()}
+    result: dict[str, Any] = {"ddp": ddp}
+    for stage in (2, 3):
+        one, model_one = accelerate_loop(
+            DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=1), per_rank, 4
+        )
+        one_params = full_parameters(model_one.module)
+        split = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=2)
+        two, model_two = accelerate_loop(split, per_rank // 2, 4)
+        resumed, _ = accelerate_loop(split, per_rank // 2, 4, out / f"acc_state_z{stage}")
+        result[f"zero{stage}"] = {
+            "gas1": one,
+            "gas2": two,
+            "steps_gas1": model_one.global_steps,
+            "steps_gas2": model_two.global_steps,
+            "gas1_vs_ddp": max_difference(one_params, ddp_params),
+            "gas2_vs_gas1": max_difference(full_parameters(model_two.module), one_params),
+            "resumed": resumed,
+        }
+    if rank() == 0:
+        (out / f"accelerate_plugin-ws{world()}.json").write_text(json.dumps(result))
+
+
+@case
+def accelerate_launched(out: Path) -> None:
+    """Under `accelerate launch --use_deepspeed --zero_stage 2 --gradient_accumulation_steps 2`:
+    the plugin comes from the launcher; the loop is accelerate's documented one."""
+    PartialState(backend="gloo")
+    accelerator = Accelerator()
+    model = AutoModelForCausalLM.from_pretrained(pretrained(out))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    loader = torch.utils.data.DataLoader([d["input_ids"] for d in dataset()], batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    history = []
+    for i, ids in enumerate(loader):
+        with accelerator.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        history.append(loss.item())
+        if i + 1 == 8:
+            break
+    result = {
+        "losses": history,
+        "global_steps": model.global_steps,
+        "engine": type(model).__module__,
+        "gas": model.gradient_accumulation_steps(),
+        "stage": model.zero_optimization_stage(),
+        "world": world(),
+    }
+    if rank() == 0:
+        (out / f"accelerate_launched-ws{world()}.json").write_text(json.dumps(result))
+
+
+def main(argv: list[str]) -> None:
+    global OUT
+    OUT = Path(argv[0])
+    OUT.mkdir(parents=True, exist_ok=True)
+    if not torch.distributed.is_initialized():
+        PartialState(backend="gloo")
+    for name in argv[1:]:
+        CASES[name](OUT)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
