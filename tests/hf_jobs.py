@@ -40,49 +40,11 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 VOCAB, SEQ, SAMPLES, STEPS, LR = 64, 16, 64, 4, 1e-3
 
-# Hugging Face's documented configs (the DeepSpeed guide's ZeRO-2 and ZeRO-3 examples), "auto" and all.
-ZERO2 = {
-    "fp16": {"enabled": "auto"},
-    "bf16": {"enabled": "auto"},
-    "optimizer": {
-        "type": "AdamW",
-        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
-    },
-    "scheduler": {
-        "type": "WarmupLR",
-        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
-    },
-    "zero_optimization": {
-        "stage": 2,
-        "allgather_partitions": True,
-        "allgather_bucket_size": 2e8,
-        "overlap_comm": True,
-        "reduce_scatter": True,
-        "reduce_bucket_size": "auto",
-        "contiguous_gradients": True,
-    },
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "steps_per_print": 2000,
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-    "wall_clock_breakdown": False,
-}
-ZERO3 = {
-    **ZERO2,
-    "zero_optimization": {
-        "stage": 3,
-        "overlap_comm": True,
-        "contiguous_gradients": True,
-        "sub_group_size": 1e9,
-        "reduce_bucket_size": "auto",
-        "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto",
-        "stage3_max_live_parameters": 1e9,
-        "stage3_max_reuse_distance": 1e9,
-        "stage3_gather_16bit_weights_on_model_save": True,
-    },
-}
+# Hugging Face's documented configs (its DeepSpeed guide's ZeRO-2 and ZeRO-3 examples), "auto" and
+# all, as the worked example ships them.
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ZERO2 = json.loads((EXAMPLES / "hf_zero2.json").read_text())
+ZERO3 = json.loads((EXAMPLES / "hf_zero3.json").read_text())
 
 CASES: dict[str, Any] = {}
 _references: dict[str, Trainer] = {}
@@ -281,11 +243,7 @@ def trainer_zero3_pretrained(out: Path) -> None:
     if rank() == 0:
         saved = load_file(out / "pretrained" / "model.safetensors")
         extra["loaded_vs_saved"] = max_difference({k: loaded[k] for k in saved}, saved)
-        reloaded = load_file(out / "z3_saved" / "model.safetensors")
-        extra["saved_model_vs_trained"] = max_difference(
-            {k: trained[k] for k in reloaded}, reloaded
-        )
-        extra["saved_model_names"] = sorted(reloaded)
+        save_file(trained, out / "z3_trained.safetensors")  # the test reloads save_model's output
     record(out, "trainer_zero3_pretrained", trainer, reference, **extra)
 
 

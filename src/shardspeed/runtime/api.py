@@ -142,14 +142,24 @@ def tp_model_init(
 ) -> nn.Module:
     """DeepSpeed's AutoTP entry point: records `tp_size` for `initialize`, which splits the model
     over tensor-parallel groups of that size (as DeepSpeed 0.19.8 does: the split happens there).
-    `dtype` must agree with the config's precision."""
-    if config is not None or kwargs:
+    `dtype` must agree with the config's precision. `config` (a dict or JSON path, as transformers
+    passes the run's config) may repeat `tensor_parallel.autotp_size`; the config given to
+    `initialize` is the one that configures the run, as in DeepSpeed."""
+    if kwargs:
         raise ValueError(
-            "tp_model_init(config=..., ...) is not supported: give the 'tensor_parallel' section "
-            "to initialize()"
+            f"tp_model_init({', '.join(sorted(kwargs))}=...) is not supported: give the "
+            "'tensor_parallel' section to initialize()"
         )
     if tp_size < 1:
         raise ValueError(f"tp_size must be at least 1, got {tp_size}")
+    if config is not None:
+        section = read_config_source(config).get("tensor_parallel") or {}
+        size = section.get("autotp_size", tp_size) if isinstance(section, dict) else tp_size
+        if size not in (0, tp_size):
+            raise ConfigError(
+                f"tp_model_init(tp_size={tp_size}) but its config says "
+                f"'tensor_parallel.autotp_size': {size}: make them agree"
+            )
     model._shardspeed_tp_init = (tp_size, dtype)
     return model
 
