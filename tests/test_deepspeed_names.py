@@ -528,7 +528,7 @@ def test_tp_model_init_takes_the_runs_config_as_transformers_passes_it() -> None
     config = {"tensor_parallel": {"autotp_size": 2}, "train_batch_size": 8}
     assert shardspeed.tp_model_init(model, 2, torch.float32, config=config) is model
     assert model._shardspeed_tp_init == (2, torch.float32)
-    with pytest.raises(ConfigError, match="'tensor_parallel.autotp_size': 4"):
+    with pytest.raises(ConfigError, match=r"'tensor_parallel\.autotp_size': 4"):
         shardspeed.tp_model_init(
             model, 2, torch.float32, config={"tensor_parallel": {"autotp_size": 4}}
         )
