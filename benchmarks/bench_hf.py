@@ -109,8 +109,13 @@ def worker(mode: str, warmup: int, steps: int, out: str) -> None:
 
 
 def run(mode: str, warmup: int, steps: int) -> dict:
+    # ACCELERATE_USE_DEEPSPEED: without it DeepSpeed's zero.Init, run by from_config before
+    # initialize, sees a world of one process on a CPU-only machine (docs/huggingface.md).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     env.pop("SHARDSPEED_AS_DEEPSPEED", None)
+    env.pop("ACCELERATE_USE_DEEPSPEED", None)
+    if mode != "plain":
+        env["ACCELERATE_USE_DEEPSPEED"] = "true"
     if mode.startswith("shardspeed"):
         env["SHARDSPEED_AS_DEEPSPEED"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,11 +138,14 @@ def run(mode: str, warmup: int, steps: int) -> dict:
         ]
         done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp)
         if done.returncode != 0 or not out.exists():
-            tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
+            lines = (done.stdout + done.stderr).strip().splitlines()
+            tail = [line for line in lines if "Error" in line][-5:] + lines[-5:]
             raise RuntimeError(f"{mode} failed:\n" + "\n".join(tail))
         result = json.loads(out.read_text())
     expected = "deepspeed" if mode.startswith("deepspeed") else "shardspeed"
-    if mode != "plain" and not result["engine"].startswith(expected):
+    if mode == "plain":
+        expected = "torch.nn.parallel"  # DistributedDataParallel
+    if not result["engine"].startswith(expected):
         raise RuntimeError(f"{mode} ran on {result['engine']}, not {expected}")
     return result
 

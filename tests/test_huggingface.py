@@ -276,3 +276,27 @@ def test_without_the_switch_deepspeed_is_not_shardspeed() -> None:
     assert seen.get("module") != "shardspeed"
     if not seen["found"]:
         assert seen["version"] is None
+
+
+def test_worked_example_trains_saves_and_samples(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(example),
+        "--out",
+        str(tmp_path),
+        "--max-steps",
+        "4",
+        "--batch",
+        "2",
+    ]
+    done = subprocess.run(
+        command, env=switched_on(), capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert "sample: def " in done.stdout
+    assert (tmp_path / "model" / "model.safetensors").exists()
