@@ -20,26 +20,9 @@ from .z3_leaf_module import (
 # DeepSpeed's `deepspeed.utils.logger`: shardspeed's logger (transformers sets its level).
 logger = logging.getLogger("shardspeed")
 
-_LAZY = {
-    "groups": "shardspeed.comm.groups",
-    **{
-        name: "shardspeed.zero.tensor_fragment"
-        for name in (
-            "safe_get_full_fp32_param",
-            "safe_get_full_grad",
-            "safe_get_full_optimizer_state",
-            "safe_get_local_fp32_param",
-            "safe_get_local_grad",
-            "safe_get_local_optimizer_state",
-            "safe_set_full_fp32_param",
-            "safe_set_full_grad",
-            "safe_set_full_optimizer_state",
-            "safe_set_local_fp32_param",
-            "safe_set_local_grad",
-            "safe_set_local_optimizer_state",
-        )
-    },
-}
+# Loaded on first use: `groups` from comm/, and every `safe_*` accessor from zero/tensor_fragment.py.
+_LAZY = {"groups": "shardspeed.comm.groups"}
+_ACCESSORS = "shardspeed.zero.tensor_fragment"
 
 __all__ = [
     "get_z3_leaf_modules",
@@ -48,7 +31,6 @@ __all__ = [
     "set_z3_leaf_modules",
     "unset_z3_leaf_modules",
     "z3_leaf_module",
-    *_LAZY,
 ]
 
 
@@ -65,13 +47,18 @@ def log_dist(message: str, ranks: Sequence[int] | None = None, level: int = logg
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
+    if name in _LAZY:
+        value = importlib.import_module(_LAZY[name])
+    elif name.startswith("safe_"):
+        value = getattr(importlib.import_module(_ACCESSORS), name, None)
+        if value is None:
+            raise AttributeError(f"module 'shardspeed.utils' has no attribute {name!r}")
+    else:
         raise AttributeError(f"module 'shardspeed.utils' has no attribute {name!r}")
-    module = importlib.import_module(_LAZY[name])
-    value = module if module.__name__.endswith(f".{name}") else getattr(module, name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    accessors = importlib.import_module(_ACCESSORS).__all__
+    return sorted({*globals(), *_LAZY, *accessors})
