@@ -5,6 +5,7 @@ from .errors import ConfigError
 from .loader import (
     load_config,
     non_default_settings,
+    tuning_report,
     optimizer_params,
     read_config_source,
     scheduler_params,
@@ -16,6 +17,7 @@ __all__ = [
     "ShardSpeedConfig",
     "load_config",
     "non_default_settings",
+    "tuning_report",
     "optimizer_params",
     "read_config_source",
     "resolve_batch",

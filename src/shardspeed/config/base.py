@@ -28,7 +28,8 @@ class StrictModel(BaseModel):
     A section may instead list the fields it does honour in `implemented`; every other field is then
     treated the same way. `key_hints` maps a key that is
     not a field (a common mistake) to the advice shown when it appears, e.g. `max_grad_norm` in
-    optimizer params -> "use the top-level gradient_clipping".
+    optimizer params -> "use the top-level gradient_clipping". `tuning_notes` are honoured fields
+    whose every value leaves shardspeed doing the same thing, with the note that says what.
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=True)
@@ -36,6 +37,9 @@ class StrictModel(BaseModel):
     implemented: ClassVar[frozenset[str] | None] = None
     not_supported_until: ClassVar[dict[str, str]] = {}
     key_hints: ClassVar[dict[str, str]] = {}
+    # Layout and speed settings whose intent shardspeed meets whatever their value: the note says
+    # what shardspeed does; the start-up report shows it when the value is not the default.
+    tuning_notes: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def unsupported_reason(cls, field: str) -> str | None:

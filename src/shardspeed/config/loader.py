@@ -1,8 +1,9 @@
 """Read a DeepSpeed config from a dict, a JSON file or base64 JSON, and validate it once, strictly.
 
-The order: read (duplicate keys are errors) -> rewrite deprecated spellings (with a warning naming the
+The order: read (duplicate keys are errors) -> drop comment keys and the listed keys that change
+nothing (`ignored.py`, a warning each) -> rewrite deprecated spellings (with a warning naming the
 modern key) -> resolve or refuse "auto" -> pydantic validation (unknown keys, types, ranges) ->
-refuse keys a later issue implements -> optimizer/scheduler params -> batch arithmetic. Every
+refuse keys shardspeed does not honour -> optimizer/scheduler params -> batch arithmetic. Every
 problem found is reported together, each naming its key path.
 """
 
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from .base import StrictModel
 from .batch import BATCH_KEYS, resolve_batch
 from .errors import ConfigError, closest, key_path
+from .ignored import drop_ignored
 from .optimizer import OPTIMIZER_PARAMS, canonical_optimizer_name
 from .scheduler import SCHEDULER_PARAMS
 from .schema import REMOVED_KEYS, ShardSpeedConfig
@@ -31,14 +33,23 @@ logger = logging.getLogger("shardspeed")
 
 ConfigSource = Mapping[str, Any] | str | os.PathLike
 
-# "auto" values the engine can fill in itself: these size knobs fall back to our defaults.
+# "auto" values the engine can fill in itself: these size knobs fall back to our defaults. Any
+# other "auto" inside a section falls back to its default too, as DeepSpeed does, but with a
+# warning; at the top level and in optimizer or scheduler params it is refused (DeepSpeed would
+# hand the string "auto" on and fail later).
 AUTO_TO_DEFAULT = {
     ("zero_optimization", "reduce_bucket_size"),
     ("zero_optimization", "allgather_bucket_size"),
     ("zero_optimization", "stage3_prefetch_bucket_size"),
     ("zero_optimization", "stage3_param_persistence_threshold"),
+    ("zero_optimization", "sub_group_size"),
+    ("zero_optimization", "stage3_max_live_parameters"),
+    ("zero_optimization", "stage3_max_reuse_distance"),
+    ("zero_optimization", "stage3_model_persistence_threshold"),
 }
-# Keys that only mean something at some stages: a non-default value elsewhere would be ignored.
+_PARAMS_SECTIONS = ("optimizer", "scheduler")
+# Keys that only act at some stages. At another stage they change nothing: accepted with a
+# warning, as real configs copied between stages carry them (DeepSpeed accepts them silently).
 STAGE_ONLY_KEYS = {
     "zero_optimization.reduce_scatter": {1, 2, 3},
     "zero_optimization.allgather_partitions": {1, 2},
@@ -118,6 +129,7 @@ def load_config(
     """
     raw = read_config_source(source)
     problems: list[str] = []
+    drop_ignored(raw, problems)
     _rewrite_deprecated(raw, problems)
     _refuse_removed(raw, problems)
     auto_batch = _resolve_auto(raw, problems)
@@ -275,12 +287,20 @@ def _resolve_auto(raw: dict[str, Any], problems: list[str]) -> frozenset[str]:
             del raw[key]
             auto_batch.add(key)
     for loc in _auto_locations(raw, ()):
-        if loc in AUTO_TO_DEFAULT:
+        in_section = len(loc) > 1 and loc[0] not in _PARAMS_SECTIONS
+        if loc in AUTO_TO_DEFAULT or in_section:
             section = raw
             for part in loc[:-1]:
                 section = section[part]
             del section[loc[-1]]
-            logger.info("config '%s' is \"auto\": using shardspeed's default", key_path(*loc))
+            if loc in AUTO_TO_DEFAULT:
+                logger.info("config '%s' is \"auto\": using shardspeed's default", key_path(*loc))
+            else:
+                logger.warning(
+                    "config '%s' is \"auto\" and nothing filled it in: it keeps its default, as "
+                    "in DeepSpeed; set it to say what you mean",
+                    key_path(*loc),
+                )
         else:
             problems.append(
                 f"'{key_path(*loc)}' is \"auto\", a placeholder that only the Hugging Face Trainer "
@@ -333,9 +353,9 @@ def _unsupported(model: StrictModel, loc: tuple) -> list[str]:
             logger.info("config section '%s' is disabled; accepted as is", key_path(*loc, name))
             continue
         problems.append(
-            f"'{key_path(*loc, name)}' is a DeepSpeed key that shardspeed does not support yet "
-            f"({reason}); remove it or set it to its default "
-            f"{field.get_default(call_default_factory=True)!r} (got {value!r})"
+            f"'{key_path(*loc, name)}' is not supported by shardspeed ({reason}); remove it or "
+            f"set it to its default {field.get_default(call_default_factory=True)!r} "
+            f"(got {value!r})"
         )
     return problems
 
@@ -354,9 +374,13 @@ def _cross_section(config: ShardSpeedConfig) -> list[str]:
             shown = (
                 value.model_dump(exclude_defaults=True) if hasattr(value, "model_dump") else value
             )
-            problems.append(
-                f"'{path}' only acts at ZeRO stage {' or '.join(map(str, sorted(stages)))}; at "
-                f"stage {stage} it would be ignored: remove it (got {shown!r})"
+            logger.warning(
+                "config '%s' = %r only acts at ZeRO stage %s; at stage %d it changes nothing "
+                "(accepted, as DeepSpeed does)",
+                path,
+                shown,
+                " or ".join(map(str, sorted(stages))),
+                stage,
             )
     zero = config.zero_optimization
     if zero.offload_param.device == "nvme" and (
@@ -372,9 +396,16 @@ def _cross_section(config: ShardSpeedConfig) -> list[str]:
         config.zero_optimization.offload_param.device,
     )
     if not nvme and config.aio != type(config.aio)():
+        logger.warning(
+            "config 'aio' = %r only acts with an offload 'device' nvme; without one it changes "
+            "nothing (accepted, as DeepSpeed does)",
+            config.aio.model_dump(exclude_defaults=True),
+        )
+    if config.compile.compiles and stage == 3:
         problems.append(
-            "'aio' only acts with an offload 'device' nvme; without one it would be ignored: "
-            f"remove it (got {config.aio.model_dump(exclude_defaults=True)!r})"
+            "'compile' asks for torch.compile, which does not combine with ZeRO stage 3: the "
+            "parameter gathers run in module hooks that torch.compile cannot trace; use ZeRO "
+            "stage 0, 1 or 2 to compile"
         )
     lamb = (
         config.optimizer is not None and canonical_optimizer_name(config.optimizer.type) == "Lamb"
@@ -408,7 +439,16 @@ def _check_params(config: ShardSpeedConfig) -> list[str]:
     return problems
 
 
+# Optimizer types real configs name that shardspeed does not have, with what to say.
+MISSING_OPTIMIZERS = {
+    "onebitlamb": "1-bit LAMB (OneBitLamb) is not built (DeepSpeed 0.19.8 removed it too): use "
+    "Lamb at ZeRO stage 0, or OneBitAdam for compressed communication",
+}
+
+
 def _unknown_type(section: str, name: str, known: Mapping[str, Any]) -> str:
+    if section == "optimizer" and name.lower() in MISSING_OPTIMIZERS:
+        return f"'optimizer.type' {name!r}: {MISSING_OPTIMIZERS[name.lower()]}"
     by_lower = {k.lower(): k for k in known}
     hint = closest(name, known) or by_lower.get(closest(name.lower(), by_lower) or "")
     suggestion = f" (did you mean '{hint}'?)" if hint else ""
@@ -436,6 +476,24 @@ def scheduler_params(config: ShardSpeedConfig) -> tuple[str, StrictModel]:
     assert config.scheduler is not None
     name = config.scheduler.type
     return name, SCHEDULER_PARAMS[name].model_validate(config.scheduler.params)
+
+
+def tuning_report(config: ShardSpeedConfig) -> list[str]:
+    """`key = value: what shardspeed does` for every layout or speed key set away from its
+    default whose intent shardspeed meets anyway (a field's `tuning_notes`)."""
+    return _tuning(config, ())
+
+
+def _tuning(model: BaseModel, loc: tuple) -> list[str]:
+    lines = []
+    notes = getattr(type(model), "tuning_notes", {})
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        if isinstance(value, StrictModel):
+            lines += _tuning(value, (*loc, name))
+        elif name in notes and value != field.get_default(call_default_factory=True):
+            lines.append(f"{key_path(*loc, name)} = {value!r}: {notes[name]}")
+    return lines
 
 
 def non_default_settings(config: ShardSpeedConfig) -> list[str]:

@@ -69,7 +69,8 @@ class AdamParams(StrictModel):
     )
     # The other keys accept only their defaults; these are the reasons the loader reports.
     not_supported_until: ClassVar[dict[str, str]] = {
-        "bias_correction": "torch's Adam always applies bias correction",
+        "bias_correction": "Adam without bias correction is not built: torch's Adam always "
+        "applies it",
         "set_grad_none": "gradients are always released (set to None) after a step",
         "fp32_optimizer_states": "optimizer states follow the dtype of the master weights",
     }

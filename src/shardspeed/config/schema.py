@@ -253,15 +253,11 @@ class ActivationCheckpointingConfig(StrictModel):
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
 
-    not_supported_until: ClassVar[dict[str, str]] = {
-        "contiguous_memory_optimization": (
-            "not planned: saved activations are ordinary tensors, and torch's caching allocator "
-            "keeps them from fragmenting memory"
-        ),
-        "number_checkpoints": (
-            "it only sizes DeepSpeed's contiguous buffers (contiguous_memory_optimization), "
-            "which shardspeed does not have"
-        ),
+    tuning_notes: ClassVar[dict[str, str]] = {
+        "contiguous_memory_optimization": "saved inputs are ordinary tensors, and torch's caching "
+        "allocator keeps them from fragmenting memory, which DeepSpeed's contiguous buffers do",
+        "number_checkpoints": "it only sizes DeepSpeed's contiguous buffers, which shardspeed "
+        "does not need (see contiguous_memory_optimization)",
     }
 
 
@@ -445,24 +441,26 @@ class CheckpointConfig(StrictModel):
 
 
 class ZeroConfig(StrictModel):
-    """`zero_optimization`. Stages 0 (plain data parallelism), 1 and 2 are implemented; 3 comes later.
+    """`zero_optimization`: stage 0 (plain data parallelism) to 3.
 
     `overlap_comm` unset means on: gradients are reduced while backward runs, at every stage
     (DeepSpeed leaves it off for stages 1 and 2; it changes speed, never results).
+    `reduce_bucket_size` 0 reduces every gradient on its own as soon as it is ready, and
+    `sub_group_size` 0 makes every parameter a master tensor of its own, as in DeepSpeed.
     """
 
     stage: Literal[0, 1, 2, 3] = 0
     contiguous_gradients: bool = True
     overlap_comm: bool | None = None
     reduce_scatter: bool = True
-    reduce_bucket_size: PositiveInt = 500_000_000
+    reduce_bucket_size: NonNegativeInt = 500_000_000
     use_multi_rank_bucket_allreduce: bool = True
     allgather_partitions: bool = True
     allgather_bucket_size: PositiveInt = 500_000_000
     compute_grad_norm: bool = True
     load_from_fp32_weights: bool = True
     elastic_checkpoint: bool = False
-    sub_group_size: PositiveInt = 1_000_000_000
+    sub_group_size: NonNegativeInt = 1_000_000_000
     round_robin_gradients: bool = False
     ignore_unused_parameters: bool = True
     legacy_stage1: bool = False
@@ -494,8 +492,6 @@ class ZeroConfig(StrictModel):
     not_supported_until: ClassVar[dict[str, str]] = {
         "use_multi_rank_bucket_allreduce": "shardspeed always reduces a bucket in one collective",
         "compute_grad_norm": "shardspeed always computes the norm: it is how overflow is detected",
-        "round_robin_gradients": "the round-robin gradient placement of DeepSpeed's CPU "
-        "offload is not built",
         "legacy_stage1": NOT_PLANNED,
         "parameter_alignment": NOT_PLANNED,
         "load_from_fp32_weights": "shardspeed checkpoints always restore masters from fp32 values",
@@ -516,7 +512,6 @@ class ZeroConfig(StrictModel):
             for name in (
                 "stage3_use_all_reduce_for_fetch_params",
                 "stage3_allgather_sequential",
-                "memory_efficient_linear",
                 "override_module_apply",
                 "log_trace_cache_warnings",
                 "enable_sanity_checks",
@@ -524,12 +519,15 @@ class ZeroConfig(StrictModel):
         },
     }
 
-    @field_validator("contiguous_gradients")
-    @classmethod
-    def _contiguous(cls, value: bool) -> bool:
-        if not value:
-            raise ValueError("false is not offered: gradients always live in one flat buffer")
-        return value
+    tuning_notes: ClassVar[dict[str, str]] = {
+        "contiguous_gradients": "gradients always accumulate in one flat buffer (stages 0 and 1) "
+        "or one flat shard (stages 2 and 3), so there is nothing to copy into a contiguous one",
+        "round_robin_gradients": "each rank's gradient shard reaches host memory as one "
+        "contiguous copy, so there is no per-parameter placement to balance",
+        "memory_efficient_linear": "a released stage-3 unit frees its storage even while autograd "
+        "holds views of its weights, and backward gathers them again, which is the memory a "
+        "memory-efficient linear saves",
+    }
 
 
 class OptimizerSection(StrictModel):
@@ -547,6 +545,84 @@ class SchedulerSection(StrictModel):
 
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ThroughputTimerConfig(StrictModel):
+    """`timers.throughput`: samples per second in the `steps_per_print` report line."""
+
+    enabled: bool = True
+    synchronized: bool = True  # wait for the device before reading the clock
+
+
+class TimersConfig(StrictModel):
+    """`timers`: DeepSpeed's throughput timer (`wall_clock_breakdown` times the phases)."""
+
+    throughput: ThroughputTimerConfig = Field(default_factory=ThroughputTimerConfig)
+
+
+class CompileConfig(StrictModel):
+    """`compile`: `torch.compile` of the module at `initialize` when `enabled` (or, as configs
+    written for DeepSpeed 0.14 say it, `disable: false`), with `backend` and `kwargs`.
+
+    The other keys are DeepSpeed 0.19.8's DeepCompile passes, which shardspeed does not have:
+    only their defaults are accepted. `engine.compile()` compiles whatever this says.
+    """
+
+    enabled: bool = False
+    disable: bool | None = None
+    backend: str = "inductor"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    deepcompile: bool = False
+    autoep_non_moe: bool = False
+    free_activation: bool = False
+    free_activation_threshold: NonNegativeInt = 10 * 1024 * 1024
+    offload_activation: bool = False
+    offload_activation_pin_memory: bool = True
+    offload_opt_states: bool = False
+    offload_parameters: bool = False
+    double_buffer: bool = True
+    symmetric_memory: bool = False
+    debug_log: bool = False
+    sync_before_reduce: bool = False
+    sync_after_reduce: bool = False
+    sync_before_allgather: bool = False
+    sync_after_allgather: bool = False
+    keep_int_input_tensors: bool = True
+    keep_all_input_tensors: bool = False
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        name: "DeepSpeed's DeepCompile passes are not built; 'enabled' compiles with torch.compile"
+        for name in (
+            "deepcompile",
+            "autoep_non_moe",
+            "free_activation",
+            "free_activation_threshold",
+            "offload_activation",
+            "offload_activation_pin_memory",
+            "offload_opt_states",
+            "offload_parameters",
+            "double_buffer",
+            "symmetric_memory",
+            "debug_log",
+            "sync_before_reduce",
+            "sync_after_reduce",
+            "sync_before_allgather",
+            "sync_after_allgather",
+            "keep_int_input_tensors",
+            "keep_all_input_tensors",
+        )
+    }
+
+    @property
+    def compiles(self) -> bool:
+        return self.enabled or self.disable is False
+
+
+class DataTypesConfig(StrictModel):
+    """`data_types`: `grad_accum_dtype` is the dtype gradients accumulate in (default: fp32 for
+    fp32 and bf16 models, fp16 for fp16 models)."""
+
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
 
 
 class ShardSpeedConfig(StrictModel):
@@ -592,24 +668,23 @@ class ShardSpeedConfig(StrictModel):
     data_efficiency: Section = None
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     torch_autocast: Section = None
-    data_types: Section = None
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     tensorboard: FileMonitorConfig = Field(default_factory=FileMonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     csv_monitor: FileMonitorConfig = Field(default_factory=FileMonitorConfig)
     comet: Section = None
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
-    compile: Section = None
+    compile: CompileConfig = Field(default_factory=CompileConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     expert_parallel: Section = None
-    timers: Section = None
+    timers: TimersConfig = Field(default_factory=TimersConfig)
+    sequence_parallel: Section = None
     weight_quantization: Section = None
     datastates: Section = None
 
     not_supported_until: ClassVar[dict[str, str]] = {
         "managed_gradient_accumulation": NOT_PLANNED,
-        "zero_force_ds_cpu_optimizer": "offloaded steps run any torch optimizer; there is no "
-        "DeepSpeed CPU optimizer to force",
         "disable_python_gc": NOT_PLANNED,
         "log_level": NOT_PLANNED,
         "sequence_parallel_size": NOT_PLANNED,
@@ -619,14 +694,19 @@ class ShardSpeedConfig(StrictModel):
         "vocabulary_size": NOT_PLANNED,
         "data_efficiency": NOT_PLANNED,
         "torch_autocast": NOT_PLANNED,
-        "data_types": NOT_PLANNED,
         "comet": f"{NOT_PLANNED}: use csv_monitor, tensorboard or wandb",
-        "compile": NOT_PLANNED,
         "expert_parallel": NOT_PLANNED + " (DeepSpeed's AutoEP, which converts Hugging Face MoE "
         "blocks; build the model with shardspeed.moe.layer.MoE instead)",
-        "timers": f"{NOT_PLANNED}: use wall_clock_breakdown, the monitors and engine traces",
+        "sequence_parallel": "sequence parallelism (Ulysses, ALST) is not built yet; this is "
+        "LLaMA-Factory's section for it",
         "weight_quantization": NOT_PLANNED,
         "datastates": NOT_PLANNED,
+    }
+
+    tuning_notes: ClassVar[dict[str, str]] = {
+        "zero_force_ds_cpu_optimizer": "an offloaded step runs any torch optimizer on the host "
+        "masters, and shardspeed's DeepSpeedCPUAdam is torch's Adam, so either value trains the "
+        "same way",
     }
 
     @field_validator("steps_per_print", mode="before")

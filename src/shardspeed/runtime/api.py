@@ -11,7 +11,13 @@ from torch import nn
 from .. import comm, compat, shardspeed_version
 from ..comm import groups, init_distributed
 from ..compat import DEEPSPEED_VERSION
-from ..config import ConfigError, load_config, non_default_settings, read_config_source
+from ..config import (
+    ConfigError,
+    load_config,
+    non_default_settings,
+    read_config_source,
+    tuning_report,
+)
 from ..pipe import PipelineEngine, PipelineModule
 from .engine import ShardSpeedEngine, refuse_unsupported_expert_parallelism
 
@@ -89,6 +95,8 @@ def initialize(
         topology.dp_world_size,
     )
     for line in non_default_settings(run_config):
+        logger.info("config: %s", line)
+    for line in tuning_report(run_config):
         logger.info("config: %s", line)
     engine_class = PipelineEngine if pipelined else ShardSpeedEngine
     if run_config.hybrid_engine.enabled:

@@ -130,6 +130,7 @@ class ShardSpeedEngine(nn.Module):
         )
         self._window_loss: torch.Tensor | None = None
         self._last_step_clock: float | None = None
+        self._last_report_clock: float | None = None
 
         self.dtype = _DTYPES[config.precision]
         model.to(device=self.device)
@@ -154,6 +155,8 @@ class ShardSpeedEngine(nn.Module):
             checkpointing.configure_from_config(config.activation_checkpointing, topology)
             self._checkpoint_calls = checkpointing.calls()
         self._prepare_micro_step()
+        if config.compile.compiles:
+            self.compile()
         if config.dump_state and topology.rank == 0:
             logger.info("engine state: %s", self._state_summary())
 
@@ -315,6 +318,7 @@ class ShardSpeedEngine(nn.Module):
             ignore_unused_parameters=zero.ignore_unused_parameters,
             stage3=stage3_options(zero),
             offload=offload_options(config),
+            grad_dtype=_DTYPES.get(config.data_types.grad_accum_dtype),
             **self._sharding_layout(),
         )
 
@@ -583,6 +587,15 @@ class ShardSpeedEngine(nn.Module):
             return
         lr = ", ".join(f"{v:.4e}" for v in self.get_lr())
         line = f"step={self.global_steps}, skipped={self.skipped_steps}, lr=[{lr}]"
+        throughput = self.run_config.timers.throughput
+        if throughput.enabled:  # DeepSpeed's throughput timer: samples per second since the last
+            if throughput.synchronized and self.device.type == "cuda":
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            if self._last_report_clock is not None:
+                rate = every * self.train_batch_size() / (now - self._last_report_clock)
+                line += f", samples/s={rate:.1f}"
+            self._last_report_clock = now
         if self.fp16_enabled():
             line += f", loss_scale={self.loss_scale:g}"
         loads = [load["imbalance"] for load in self.expert_load().values() if load]
@@ -772,16 +785,25 @@ class ShardSpeedEngine(nn.Module):
         schedule: Any = None,
     ) -> None:
         """`torch.compile` the wrapped module in place (DeepSpeed's `engine.compile`, as accelerate
-        calls it). `schedule` names DeepSpeed's DeepCompile passes, which shardspeed lacks."""
+        calls it; the config's `compile` section calls it at `initialize`). Without arguments the
+        section's backend and kwargs apply. `schedule` names DeepSpeed's DeepCompile passes, which
+        shardspeed lacks. Stage 3 is refused: its gather hooks run inside the module's call and
+        cannot be traced."""
         if schedule is not None:
             raise ValueError(
                 "engine.compile(schedule=...) selects DeepSpeed's DeepCompile passes, which "
                 "shardspeed does not have; call compile() without it"
             )
+        if self.zero_optimization_stage() == 3 and self.optimizer is not None:
+            raise ConfigError(
+                "torch.compile with ZeRO stage 3 is not supported: the parameter gathers run in "
+                "module hooks that torch.compile cannot trace; use ZeRO stage 0, 1 or 2 to compile"
+            )
         if self.is_compiled:
             return
-        kwargs = dict(compile_kwargs or {})
-        self.module.compile(backend=backend or get_accelerator().get_compile_backend(), **kwargs)
+        section = self.run_config.compile
+        kwargs = dict(section.kwargs if compile_kwargs is None else compile_kwargs)
+        self.module.compile(backend=backend or section.backend, **kwargs)
         self._is_compiled = True
 
     @property

@@ -145,6 +145,7 @@ class ZeroOptimizer:
         ties: Sequence[TiedParameters] = (),
         norm_group: Any = None,
         experts: Sequence[ExpertParameters] = (),
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -280,8 +281,10 @@ class ZeroOptimizer:
                 p.data = view
                 p.__dict__.pop("ds_tensor", None)
 
-        # Gradients accumulate in fp32 unless the model is fp16 (DeepSpeed keeps fp16 gradients).
-        self.grad_dtype = torch.float16 if model_dtype == torch.float16 else torch.float32
+        # Gradients accumulate in fp32 unless the model is fp16 (DeepSpeed keeps fp16 gradients),
+        # or in what `data_types.grad_accum_dtype` says.
+        default_grad_dtype = torch.float16 if model_dtype == torch.float16 else torch.float32
+        self.grad_dtype = grad_dtype or default_grad_dtype
         self._grads_alias_params = self.grad_dtype == model_dtype
         self.grad_flat: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
