@@ -428,7 +428,7 @@ def test_comment_keys_are_accepted_and_named_once(caplog):
     said = [r.getMessage() for r in caplog.records]
     assert "config comment keys, ignored: _comment, zero_optimization._note" in said
     # Not inside an optimizer's own keywords: there an underscore key is still an error.
-    with pytest.raises(ConfigError, match="optimizer.params._lr"):
+    with pytest.raises(ConfigError, match=r"optimizer\.params\._lr"):
         load({"optimizer": {"type": "AdamW", "params": {"_lr": 1e-3}}})
 
 
@@ -486,7 +486,7 @@ def test_compile_timers_and_data_types_sections():
     assert config.data_types.grad_accum_dtype == "fp32"
     with pytest.raises(ConfigError, match="DeepCompile passes are not built"):
         load({"compile": {"deepcompile": True}})
-    with pytest.raises(ConfigError, match="'data_types.grad_accum_dtype'"):
+    with pytest.raises(ConfigError, match=r"'data_types\.grad_accum_dtype'"):
         load({"data_types": {"grad_accum_dtype": "fp8"}})
 
 

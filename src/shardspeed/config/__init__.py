@@ -5,10 +5,10 @@ from .errors import ConfigError
 from .loader import (
     load_config,
     non_default_settings,
-    tuning_report,
     optimizer_params,
     read_config_source,
     scheduler_params,
+    tuning_report,
 )
 from .schema import ShardSpeedConfig
 
@@ -17,9 +17,9 @@ __all__ = [
     "ShardSpeedConfig",
     "load_config",
     "non_default_settings",
-    "tuning_report",
     "optimizer_params",
     "read_config_source",
     "resolve_batch",
     "scheduler_params",
+    "tuning_report",
 ]
