@@ -254,12 +254,21 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_deepspeed(args: argparse.Namespace) -> int:
+    from .deepspeed import import_deepspeed
+
+    written = import_deepspeed(args.src, args.dst, args.tag)
+    print(f"{written}: shardspeed checkpoint of DeepSpeed's {Path(args.src) / written.name}")
+    return 0
+
+
 # -- main ------------------------------------------------------------------------------------------
 
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
-        prog=PROG, description="Inspect, verify and consolidate shardspeed checkpoints."
+        prog=PROG,
+        description="Inspect, verify, consolidate shardspeed checkpoints; import DeepSpeed's.",
     )
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     dir_help = "a save directory (holding 'latest' and the tags) or one tag directory"
@@ -302,6 +311,15 @@ def parser() -> argparse.ArgumentParser:
         help="floating-point dtype of the output (default fp32; integer buffers keep theirs)",
     )
     cons.set_defaults(run=_consolidate)
+
+    imp = sub.add_parser(
+        "import-deepspeed",
+        help="convert a DeepSpeed checkpoint (any ZeRO stage, pipeline or universal) once",
+    )
+    imp.add_argument("src", metavar="SRC", help="DeepSpeed's save directory (holding 'latest')")
+    imp.add_argument("dst", metavar="DST", help="the shardspeed save directory to write")
+    imp.add_argument("--tag", help="the DeepSpeed tag to convert (default: its latest)")
+    imp.set_defaults(run=_import_deepspeed)
     return top
 
 

@@ -30,6 +30,7 @@ import torch
 
 from ..comm import barrier, get_rank, get_world_size
 from ..zero.offload import per_element
+from .deepspeed import imported
 from .format import (
     DTYPE_NAMES,
     DTYPES,
@@ -459,7 +460,30 @@ def load_engine(
     load_lr_scheduler_states: bool,
     load_module_only: bool,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    """`engine.load_checkpoint`: every rank reads what its layout holds."""
+    """`engine.load_checkpoint`: every rank reads what its layout holds. A DeepSpeed checkpoint
+    is converted first (`deepspeed.imported`: each rank reads it once, into a temporary
+    shardspeed checkpoint) and loaded from that."""
+    with imported(Path(load_dir), tag) as converted:
+        if converted is None:
+            return _load(engine, load_dir, tag, load_module_strict, load_optimizer_states,
+                         load_lr_scheduler_states, load_module_only)  # fmt: skip
+        logger.info("loading DeepSpeed checkpoint %s/%s", load_dir, converted[1])
+        _, client_state = _load(
+            engine, str(converted[0]), converted[1], load_module_strict, load_optimizer_states,
+            load_lr_scheduler_states, load_module_only,
+        )  # fmt: skip
+        return str(Path(load_dir) / converted[1]), client_state
+
+
+def _load(
+    engine: Any,
+    load_dir: str,
+    tag: str | None,
+    load_module_strict: bool,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> tuple[str | None, dict[str, Any] | None]:
     path = resolve_tag(load_dir, tag)
     if path is None:
         logger.warning(f"no '{LATEST}' file in {load_dir}: nothing loaded")
