@@ -43,6 +43,7 @@ VOCAB, SEQ, SAMPLES, STEPS, LR = 64, 16, 64, 4, 1e-3
 # Hugging Face's documented configs (its DeepSpeed guide's ZeRO-2 and ZeRO-3 examples), "auto" and
 # all, as the worked example ships them.
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+FIXTURES = Path(__file__).resolve().parent / "data" / "deepspeed_checkpoints"
 ZERO2 = json.loads((EXAMPLES / "hf_zero2.json").read_text())
 ZERO3 = json.loads((EXAMPLES / "hf_zero3.json").read_text())
 
@@ -377,6 +378,55 @@ def trainer_cpu_offload(out: Path) -> None:
     trainer = deepspeed_trainer(out / "offload", ds)
     trainer.train()
     record(out, "trainer_cpu_offload", trainer, plain(out))
+
+
+@case
+def trainer_resume_deepspeed_run(out: Path) -> None:
+    """A Trainer folder written under DeepSpeed 0.19.8 (`checkpoint-2/global_step2/*.pt`, the
+    fixtures' `trainer_z<stage>`) resumes here with resume_from_checkpoint and ends where
+    DeepSpeed's uninterrupted run ended."""
+    import shutil
+
+    sys.path.insert(0, str(FIXTURES))
+    from make_fixtures import trainer_dataset, trainer_model_config
+
+    results = {}
+    for stage in (2, 3):
+        folder = out / f"resume_ds_z{stage}"
+        if rank() == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.copytree(
+                FIXTURES / f"trainer_z{stage}" / "checkpoint-2", folder / "checkpoint-2"
+            )
+        torch.distributed.barrier()
+        ds = {
+            "train_micro_batch_size_per_gpu": "auto",
+            "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+            "zero_optimization": {"stage": stage},
+        }
+        args = training_args(
+            folder, ds, max_steps=4, save_strategy="steps", save_steps=2, use_cpu=True
+        )
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(trainer_model_config(LlamaConfig))
+        trainer = Trainer(model=model, args=args, train_dataset=trainer_dataset())
+        trainer.train(resume_from_checkpoint=str(folder / "checkpoint-2"))
+        final = full_parameters(model)
+        if rank() == 0:
+            expected = load_file(FIXTURES / f"trainer_z{stage}" / "final.safetensors")
+            results[f"zero{stage}"] = {
+                "final_vs_deepspeed": max_difference(final, expected),
+                "losses": losses(trainer),
+                "deepspeed_losses": json.loads(
+                    (FIXTURES / f"trainer_z{stage}" / "losses.json").read_text()
+                ),
+                "global_steps": trainer.model_wrapped.global_steps,
+            }
+    if rank() == 0:
+        (out / f"trainer_resume_deepspeed_run-ws{world()}.json").write_text(json.dumps(results))
 
 
 # -- accelerate ----------------------------------------------------------------------------------

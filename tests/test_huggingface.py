@@ -36,6 +36,7 @@ TWO_PROCESS_CASES = [
     "trainer_evaluate_first",
     "trainer_bf16",
     "trainer_cpu_offload",
+    "trainer_resume_deepspeed_run",
     "accelerate_plugin",
 ]
 ONE_PROCESS_CASES = ["trainer_zero3_from_config", "trainer_zero3_pretrained"]
@@ -187,6 +188,14 @@ def test_trainer_cpu_optimizer_offload(two: Path) -> None:
     run = result(two, "trainer_cpu_offload")
     assert_shardspeed(run, 2)
     assert_losses_match(run)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_resumes_a_folder_deepspeed_wrote(two: Path, stage: int) -> None:
+    run = result(two, "trainer_resume_deepspeed_run")[f"zero{stage}"]
+    assert run["global_steps"] == 4
+    assert run["final_vs_deepspeed"] <= 1e-6  # DeepSpeed 0.19.8's own uninterrupted run
+    assert run["losses"] == pytest.approx(run["deepspeed_losses"], rel=1e-6)
 
 
 # -- accelerate -----------------------------------------------------------------------------------

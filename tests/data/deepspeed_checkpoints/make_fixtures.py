@@ -49,7 +49,10 @@ def config(stage: int, precision: str, world: int, stages: int) -> dict:
         "train_batch_size": 8,
         "train_micro_batch_size_per_gpu": 8 // dp if stages == 1 else 4 // dp,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_num_steps": 3, "warmup_type": "linear"},
+        },
         "zero_optimization": {"stage": stage},
         "gradient_clipping": 1.0,
     }
@@ -107,7 +110,10 @@ def worker(name: str) -> None:
             micro = engine.train_micro_batch_size_per_gpu()
             mine = engine.grid.get_data_parallel_rank()
             pieces = [
-                (x[(m * dp + mine) * micro :][:micro].to(dtype), y[(m * dp + mine) * micro :][:micro])
+                (
+                    x[(m * dp + mine) * micro :][:micro].to(dtype),
+                    y[(m * dp + mine) * micro :][:micro],
+                )
                 for m in range(engine.gradient_accumulation_steps())
             ]
             engine.train_batch(iter(pieces))
