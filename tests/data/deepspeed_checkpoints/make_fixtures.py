@@ -84,7 +84,7 @@ def worker(name: str) -> None:
     from safetensors.torch import save_file
     from torch import nn
 
-    stage, precision, world, stages = CASES[name]
+    stages = CASES[name][3]
     deepspeed.init_distributed()
     out = HERE / name
     if stages > 1:
