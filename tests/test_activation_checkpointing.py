@@ -263,21 +263,6 @@ def test_configure_from_a_dict_and_a_json_file_with_arguments_overriding(tmp_pat
             {},
             "'activation_checkpointing.cpu_checkpointing': Input should be a valid boolean",
         ),
-        (
-            {"contiguous_memory_optimization": True},
-            {},
-            "'activation_checkpointing.contiguous_memory_optimization' is not supported (not planned",
-        ),
-        (
-            {"number_checkpoints": 4},
-            {},
-            "'activation_checkpointing.number_checkpoints' is not supported (it only sizes",
-        ),
-        (
-            {},
-            {"contiguous_checkpointing": True},
-            "configure(contiguous_checkpointing=...) is not supported (not planned",
-        ),
         ({}, {"checkpoint_in_cpu": 1}, "configure(checkpoint_in_cpu=...): Input should be"),
         ({}, {"num_checkpoints": 0}, "configure(num_checkpoints=...): Input should be greater"),
     ],
@@ -287,6 +272,19 @@ def test_bad_settings_are_refused_with_their_key(config, arguments, message):
         checkpointing.configure(None, {"activation_checkpointing": config}, **arguments)
     assert message in str(err.value)
     assert not checkpointing.is_configured()
+
+
+def test_contiguous_memory_settings_are_accepted_as_the_layout_they_ask_for():
+    # DeepSpeed's contiguous buffers keep saved inputs from fragmenting memory, which torch's
+    # caching allocator does already; Megatron scripts pass these on every run.
+    checkpointing.configure(
+        None,
+        {"activation_checkpointing": {"contiguous_memory_optimization": True}},
+        contiguous_checkpointing=True,
+        num_checkpoints=4,
+    )
+    assert checkpointing.is_configured()
+    checkpointing.reset()
 
 
 def test_the_section_must_be_an_object():
