@@ -38,6 +38,24 @@ class _Skipping(Sampler):
         return max(len(self.sampler) - self.skip, 0)
 
 
+class RepeatingLoader:
+    """DeepSpeed's `RepeatingLoader`: iterates `loader` for ever, starting it again when it ends."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
+
+
 class DistributedDataLoader:
     """Micro-batches of `dataset` for one data-parallel rank.
 

@@ -20,14 +20,19 @@ from .z3_leaf_module import (
 # DeepSpeed's `deepspeed.utils.logger`: shardspeed's logger (transformers sets its level).
 logger = logging.getLogger("shardspeed")
 
-# Loaded on first use: `groups` from comm/, and every `safe_*` accessor from zero/tensor_fragment.py.
-_LAZY = {"groups": "shardspeed.comm.groups"}
+# Loaded on first use: name -> (module, attribute; None for the module itself); and every `safe_*`
+# accessor from zero/tensor_fragment.py.
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "groups": ("shardspeed.comm.groups", None),
+    "RepeatingLoader": ("shardspeed.runtime.dataloader", "RepeatingLoader"),
+}
 _ACCESSORS = "shardspeed.zero.tensor_fragment"
 
 __all__ = [
     "get_z3_leaf_modules",
     "log_dist",
     "logger",
+    "set_log_level_from_string",
     "set_z3_leaf_modules",
     "unset_z3_leaf_modules",
     "z3_leaf_module",
@@ -46,9 +51,22 @@ def log_dist(message: str, ranks: Sequence[int] | None = None, level: int = logg
         logger.log(level, "[Rank %d] %s", rank, message, extra={"shardspeed_any_rank": True})
 
 
+def set_log_level_from_string(level: str, custom_logger: logging.Logger | None = None) -> None:
+    """Set `custom_logger` (default: shardspeed's) and its handlers to `level` ("info", "debug", ...)."""
+    number = logging.getLevelName(level.upper())
+    if not isinstance(number, int):
+        raise ValueError(f"unknown log level {level!r}: use debug, info, warning, error or critical")
+    target = logger if custom_logger is None else custom_logger
+    target.setLevel(number)
+    for handler in target.handlers:
+        handler.setLevel(number)
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        value = importlib.import_module(_LAZY[name])
+        module, attribute = _LAZY[name]
+        value = importlib.import_module(module)
+        value = value if attribute is None else getattr(value, attribute)
     elif name.startswith("safe_"):
         value = getattr(importlib.import_module(_ACCESSORS), name, None)
         if value is None:

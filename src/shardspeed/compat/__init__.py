@@ -26,6 +26,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import pkgutil
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -54,14 +55,49 @@ ALIASES: dict[str, str] = {
 }
 
 
+# DeepSpeed modules that shardspeed has no room for (`deepspeed.runtime.config`,
+# `deepspeed.ops.op_builder`, ...) live under this package at DeepSpeed's own path: thin adapters
+# over the rooms, so that `deepspeed.a.b` is `LAYOUT.a.b` when `shardspeed_name` finds no module.
+LAYOUT = "shardspeed.compat.deepspeed"
+
+
 def shardspeed_name(name: str) -> str | None:
-    """The shardspeed module that DeepSpeed module ``name`` resolves to, or None for other names."""
+    """The shardspeed module that DeepSpeed module ``name`` maps to by :data:`ALIASES`, or None."""
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):
         target = ALIASES.get(".".join(parts[:cut]))
         if target is not None:
             return ".".join([target, *parts[cut:]])
     return None
+
+
+def layout_name(name: str) -> str:
+    """Where the compatibility layout keeps DeepSpeed module ``name`` (``deepspeed.x`` ...)."""
+    return LAYOUT + name[len("deepspeed") :]
+
+
+def _find(name: str) -> importlib.machinery.ModuleSpec | None:
+    """``importlib.util.find_spec``, with a missing package on the way to ``name`` meaning None.
+
+    Any other missing module is a genuine failure inside shardspeed and surfaces as it is.
+    """
+    try:
+        return importlib.util.find_spec(name)
+    except ModuleNotFoundError as error:
+        if error.name is None or not (name == error.name or name.startswith(error.name + ".")):
+            raise
+        return None
+
+
+def resolve(name: str) -> str | None:
+    """The module that DeepSpeed module ``name`` is under the alias: a room's, else the layout's."""
+    real = shardspeed_name(name)
+    if real is None:
+        return None
+    if _find(real) is not None:
+        return real
+    layout = layout_name(name)
+    return layout if _find(layout) is not None else real
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -81,36 +117,53 @@ class _AliasLoader(importlib.abc.Loader):
         # The import system has just set module.__spec__ to the alias spec; the module keeps its own
         # identity (reload, pickling, multiprocessing rely on it), so put the real spec back.
         module.__spec__ = self.target_spec
+        if self.target.startswith(LAYOUT) or not hasattr(module, "__path__"):
+            return
         # `from deepspeed.runtime import zero` looks the name up as shardspeed.runtime.zero, which does
-        # not exist, so renamed children are imported now to be found as attributes instead.
+        # not exist, so children found elsewhere (renamed, or in the layout) are imported now to be
+        # found as attributes instead; names the layout's package adds are set on the room's.
+        for child in self._children_elsewhere(module):
+            try:
+                importlib.import_module(f"{self.alias}.{child}")
+            except ModuleNotFoundError as error:
+                if error.name != f"{self.alias}.{child}":
+                    raise
+        layout = _find(layout_name(self.alias))
+        if layout is not None and layout.submodule_search_locations is not None:
+            extras = importlib.import_module(layout.name)
+            for attribute in getattr(extras, "__all__", ()):
+                if not hasattr(module, attribute):
+                    setattr(module, attribute, getattr(extras, attribute))
+
+    def _children_elsewhere(self, module: ModuleType) -> list[str]:
         prefix = self.alias + "."
-        for alias in ALIASES:
-            if alias.startswith(prefix) and "." not in alias[len(prefix) :]:
-                try:
-                    importlib.import_module(alias)
-                except ModuleNotFoundError as error:
-                    if error.name != alias:
-                        raise
+        renamed = [
+            alias[len(prefix) :]
+            for alias in ALIASES
+            if alias.startswith(prefix) and "." not in alias[len(prefix) :]
+        ]
+        layout = _find(layout_name(self.alias))
+        if layout is None or layout.submodule_search_locations is None:
+            return renamed
+        own = module.__name__ + "."
+        in_layout = [
+            info.name
+            for info in pkgutil.iter_modules(layout.submodule_search_locations)
+            if info.name not in renamed and _find(own + info.name) is None
+        ]
+        return renamed + in_layout
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder):
-    """Resolves ``deepspeed`` and ``deepspeed.*`` through :data:`ALIASES`."""
+    """Resolves ``deepspeed`` and ``deepspeed.*`` through :data:`ALIASES` and the layout."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        real = shardspeed_name(fullname)
+        real = resolve(fullname)
         if real is None:
             return None
-        try:
-            found = importlib.util.find_spec(real)
-        except ModuleNotFoundError as error:
-            # Only a missing shardspeed package on the way to `real` means "no counterpart"; any other
-            # missing module is a genuine failure inside shardspeed and must surface as it is.
-            if error.name is None or not (real == error.name or real.startswith(error.name + ".")):
-                raise
-            found = None
-        if found is None:
+        if _find(real) is None:
             raise ModuleNotFoundError(
                 f"No module named {fullname!r}: the deepspeed alias maps it to {real!r}, "
                 "which shardspeed does not provide",
@@ -227,11 +280,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     install()
     run_target(argv[0], argv[1:])
     return 0
-
-
-if __name__ == "__main__":
-    # Run through the importable module, not this __main__ copy, so that a later install() from the
-    # script sees the same finder class and does nothing.
-    from shardspeed.compat import main as _main
-
-    sys.exit(_main())

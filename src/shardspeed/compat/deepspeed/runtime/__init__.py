@@ -1,0 +1,3 @@
+"""Modules of DeepSpeed's `deepspeed.runtime` that are adapters here (config, optimizer names, ...)."""
+
+__all__: list[str] = []
