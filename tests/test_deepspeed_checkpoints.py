@@ -151,3 +151,66 @@ def test_a_pickle_outside_the_allowed_classes_is_refused(tmp_path: Path) -> None
     torch.save({**good, "args": argparse.Namespace(lr=0.1)}, states)
     with pytest.raises(CheckpointError, match=r"holds an object of class argparse\.Namespace"):
         read_deepspeed(copy / "global_step3")
+
+
+# -- DeepSpeed's file names and key names -----------------------------------------------------------
+
+
+def test_optim_files_come_in_rank_order(tmp_path: Path) -> None:
+    from shardspeed.utils.zero_to_fp32 import get_optim_files
+
+    written = [tmp_path / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(12)]
+    for path in reversed(written):
+        path.write_text("")
+    (tmp_path / "mp_rank_00_model_states.pt").write_text("")
+    # Rank 10 sorts after rank 9, not after rank 1 as the names would alphabetically.
+    assert get_optim_files(tmp_path) == [str(p) for p in written]
+    with pytest.raises(FileNotFoundError, match=r"_optim_states\.pt"):
+        get_optim_files(tmp_path / "nowhere")
+
+
+def test_deepspeed_file_names_are_the_ones_deepspeed_wrote() -> None:
+    from shardspeed.checkpoint.deepspeed import (
+        FP32_FLAT_GROUPS,
+        OPTIMIZER_STATE_DICT,
+        PARAM_SHAPES,
+        ZERO_STAGE,
+        read_pt,
+    )
+    from shardspeed.checkpoint.utils import get_model_ckpt_name_for_rank
+    from shardspeed.utils.zero_to_fp32 import get_model_state_files, get_optim_files
+
+    tag = HERE / "z2_fp32_ws2" / "global_step3"
+    model_file = get_model_ckpt_name_for_rank(tag, "00")
+    assert model_file == str(tag / "mp_rank_00_model_states.pt")
+    assert get_model_state_files(tag) == [model_file]
+    assert PARAM_SHAPES in read_pt(Path(model_file))
+
+    tag = HERE / "z3_fp32_ws2" / "global_step3"
+    ranks = get_optim_files(tag)
+    assert [Path(p).name for p in ranks] == [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)
+    ]
+    optimizer = read_pt(Path(ranks[1]))[OPTIMIZER_STATE_DICT]
+    assert optimizer[ZERO_STAGE] == 3 and FP32_FLAT_GROUPS in optimizer
+
+
+def test_deepspeed_checkpoint_names_import_under_the_alias() -> None:
+    probe = (
+        "import shardspeed.compat\n"
+        "shardspeed.compat.install()\n"
+        "from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO, get_model_ckpt_name_for_rank\n"
+        "from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, ZERO_STAGE\n"
+        "from deepspeed.checkpoint.utils import clone_tensors_for_torch_save\n"
+        "from deepspeed.utils.zero_to_fp32 import get_model_state_files, get_optim_files\n"
+        "import shardspeed.checkpoint.deepspeed as layout\n"
+        "assert OPTIMIZER_STATE_DICT == layout.OPTIMIZER_STATE_DICT == 'optimizer_state_dict'\n"
+        "assert get_model_ckpt_name_for_rank is layout.get_model_ckpt_name_for_rank\n"
+        "assert get_optim_files is layout.get_optim_files\n"
+    )
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr

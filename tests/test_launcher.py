@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -14,11 +15,13 @@ from pathlib import Path
 import pytest
 import torch.distributed
 
-from shardspeed.launcher import entry, runner
+from shardspeed import compat
+from shardspeed.launcher import cores, entry, runner
 from shardspeed.launcher.hostfile import (
     filter_resources,
     parse_hostfile,
     parse_node_specs,
+    parse_resource_filter,
     read_hostfile,
     select_resources,
 )
@@ -138,6 +141,33 @@ def test_select_errors(kwargs: dict, message: str) -> None:
         select_resources(POOL, **kwargs)
 
 
+def test_resource_filter_on_slot_lists() -> None:
+    # DeepSpeed's form: hosts map to their slot indices, and a filter may leave nothing.
+    hosts = {"worker-0": [0, 1, 2, 3], "worker-1": [1, 3], "worker-2": []}
+    assert parse_resource_filter(hosts) == hosts
+    assert parse_resource_filter(hosts, include_str="worker-1:3@worker-0:1,1") == {
+        "worker-0": [1],
+        "worker-1": [3],
+    }
+    assert parse_resource_filter(hosts, exclude_str="worker-0@worker-1:1") == {"worker-1": [3]}
+    assert parse_resource_filter(hosts, exclude_str="worker-0@worker-1") == {}
+    with pytest.raises(ValueError, match=r"host 'worker-1' has no slot 0 \(it has slots 1, 3\)"):
+        parse_resource_filter(hosts, include_str="worker-1:0")
+    with pytest.raises(ValueError, match=r"has no slot 0 \(it has slots none\)"):
+        parse_resource_filter(hosts, include_str="worker-2:0")
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        parse_resource_filter({}, include_str="a", exclude_str="b")
+
+
+def test_runner_offers_deepspeeds_helper_names() -> None:
+    assert runner.parse_resource_filter is parse_resource_filter
+    assert runner._parse_hostfile is parse_hostfile
+    assert compat.resolve("deepspeed.utils.numa") == "shardspeed.compat.deepspeed.utils.numa"
+    from shardspeed.compat.deepspeed.utils.numa import parse_range_list
+
+    assert parse_range_list is cores.parse_range_list
+
+
 # --- argument parsing -----------------------------------------------------------------------------
 
 
@@ -164,6 +194,11 @@ def test_launcher_defaults() -> None:
         (["--launcher", "pdsh", "t.py"], "unrecognized launcher flag '--launcher'"),
         (["--num_gpus", "2"], "missing the script"),
         (["--module", "--no_python", "t.py"], "cannot be used together"),
+        (["--bind_core_list", "0-3", "t.py"], "only takes effect with --bind_cores_to_rank"),
+        (
+            ["--bind_cores_to_rank", "--bind_core_list", "4-2", "t.py"],
+            "--bind_core_list: bad core list '4-2': range '4-2' ends before it starts",
+        ),
     ],
 )
 def test_parse_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -490,3 +525,109 @@ def test_busy_default_port_is_replaced_on_one_node(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(runner, "port_is_free", lambda port: False)
     assert port_of(_plan(["t.py"], devices=1)[0]) != "29500"
     assert port_of(_plan(["--master_port", "29500", "t.py"], devices=1)[0]) == "29500"
+
+
+# --- core binding ---------------------------------------------------------------------------------
+
+
+def test_parse_range_list() -> None:
+    assert cores.parse_range_list("0,2-4,6,8-9") == [0, 2, 3, 4, 6, 8, 9]
+    assert cores.parse_range_list("7") == [7]
+    assert cores.parse_range_list("3-3") == [3]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("0,2-6,5-9", "'5-9' is not above the cores before it"),
+        ("8,2-6", "'2-6' is not above"),
+        ("1,1", "'1' is not above"),
+        ("1,6-2", "range '6-2' ends before it starts"),
+        ("", "'' is neither a number nor a range"),
+        ("0, 1", "' 1' is neither"),
+        ("-1", "'-1' is neither"),
+        ("1-2-3", "'1-2-3' is neither"),
+    ],
+)
+def test_parse_range_list_errors(text: str, message: str) -> None:
+    with pytest.raises(
+        ValueError, match=f"bad core list {re.escape(repr(text))}: {re.escape(message)}"
+    ):
+        cores.parse_range_list(text)
+
+
+def test_cores_for_rank_share_equally_and_leave_the_remainder() -> None:
+    listed = [0, 2, 3, 4, 6, 8, 9]
+    assert [cores.cores_for_rank(listed, 3, rank) for rank in range(3)] == [[0, 2], [3, 4], [6, 8]]
+    assert cores.cores_for_rank(listed, 1, 0) == listed
+    with pytest.raises(ValueError, match=r"2 core\(s\) for 3 processes"):
+        cores.cores_for_rank([0, 1], 3, 0)
+
+
+def test_bind_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    pinned = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 1, 2, 5})
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, mask: pinned.append(sorted(mask)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cores.bind_this_process(None, 2, 1) == [2, 3]
+    assert pinned == [[2, 3]] and os.environ["OMP_NUM_THREADS"] == "2"
+    assert cores.bind_this_process("1-3,5", 2, 1) == [3, 5]
+    with pytest.raises(ValueError, match=r"cores \[4\], which this process may not use"):
+        cores.bind_this_process("0-5", 3, 2)
+    assert pinned == [[2, 3], [3, 5]]
+
+
+def test_bind_flags_reach_every_worker() -> None:
+    [launch] = _plan(["--bind_cores_to_rank", "--bind_core_list", "0-3", "t.py", "--x"])
+    after_entry = launch.argv[launch.argv.index(runner.ENTRY_MODULE) + 1 :]
+    assert after_entry == ["--bind_cores_to_rank", "--bind_core_list=0-3", "t.py", "--x"]
+    [launch] = _plan(["--bind_cores_to_rank", "t.py"])
+    assert launch.argv[launch.argv.index(runner.ENTRY_MODULE) + 1 :] == [
+        "--bind_cores_to_rank", "t.py",
+    ]  # fmt: skip
+
+
+def test_entry_binds_before_running_the_target(
+    tmp_path: Path, report: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pinned = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, mask: pinned.append(sorted(mask)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    (tmp_path / "train.py").write_text(REPORT)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    argv = ["--bind_cores_to_rank", "--bind_core_list=2-7", str(tmp_path / "train.py")]
+    assert entry.main(argv) == 0
+    assert pinned == [[5, 6, 7]] and os.environ["OMP_NUM_THREADS"] == "3"
+    assert json.loads(report.read_text())["argv"][1:] == ["--local_rank=1"]
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(SystemExit, match="--bind_cores_to_rank needs LOCAL_WORLD_SIZE"):
+        entry.main(argv)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "7")
+    with pytest.raises(SystemExit, match=r"6 core\(s\) for 7 processes"):
+        entry.main(["--bind_cores_to_rank", "--bind_core_list=2-7", "t.py"])
+
+
+BIND_REPORT = """
+import os, sys
+rank = os.environ["LOCAL_RANK"]
+with open(os.path.join(sys.argv[1], "rank" + rank), "w") as handle:
+    handle.write(f"{sorted(os.sched_getaffinity(0))} {os.environ['OMP_NUM_THREADS']}")
+"""
+
+
+def test_real_run_binds_each_process_to_its_cores(tmp_path: Path) -> None:
+    script = tmp_path / "report.py"
+    script.write_text(BIND_REPORT)
+    allowed = sorted(os.sched_getaffinity(0))
+    share = len(allowed) // 2
+    result = subprocess.run(
+        [_shardspeed(), "--num_procs", "2", "--master_port", str(_free_port()), "--no_local_rank",
+         "--bind_cores_to_rank", str(script), str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        expected = allowed[share * rank : share * (rank + 1)]
+        assert (tmp_path / f"rank{rank}").read_text() == f"{expected} {share}"

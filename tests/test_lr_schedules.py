@@ -163,7 +163,8 @@ def test_one_cycle_both_phases_decay_and_adam_betas():
         assert group["lr"] == pytest.approx(lr, rel=1e-12), i
         assert group["betas"][0] == pytest.approx(mom, rel=1e-12), i
         assert group["betas"][1] == 0.999  # the optimizer's own beta2 is kept
-        assert sched.get_mom() == [pytest.approx(mom)]
+        # DeepSpeed's form for Adam-like groups: the (beta0, beta1) pair, beta1 the group's own.
+        assert sched.get_mom() == [(pytest.approx(mom), 0.999)]
     # Landmarks: the peak after the first half, back to the minimum at the cycle's end, then decay.
     sched.step(3)
     assert group["lr"] == pytest.approx(1.0) and group["betas"][0] == pytest.approx(0.8)
@@ -203,6 +204,13 @@ def test_one_cycle_stairs():
     )
     # Two stairs per half: the lr holds at 0, 0.5 and 1 instead of moving every step.
     assert lrs_by_step(sched, 8) == pytest.approx([0.0, 0.5, 0.5, 1.0, 0.5, 0.5, 0.0, 0.0])
+
+
+def test_one_cycle_get_mom_of_sgd_groups_is_a_number():
+    sched = OneCycle(sgd(momentum=0.5), cycle_min_lr=0.2, cycle_max_lr=0.6, cycle_first_step_size=2)
+    assert sched.get_mom() == [pytest.approx(0.9)]
+    sched.step()
+    assert sched.get_mom() == [pytest.approx(0.85)]
 
 
 def test_one_cycle_without_momentum_support_only_cycles_lr():
@@ -265,6 +273,35 @@ def test_tensor_lr_is_filled_in_place():
     assert opt.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(
         0.1 + 0.4 * math.log(2) / math.log(2)
     )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda opt, kind: WarmupLR(opt, warmup_num_steps=10, warmup_type=kind),
+        lambda opt, kind: WarmupDecayLR(opt, 100, warmup_num_steps=10, warmup_type=kind),
+        lambda opt, kind: WarmupCosineLR(opt, 100, warmup_num_steps=10, warmup_type=kind),
+    ],
+)
+def test_unknown_warmup_type_is_refused(make):
+    # DeepSpeed's constructors warn and use the log curve; an unknown curve is a typo, so refuse it.
+    with pytest.raises(ValueError, match="warmup_type must be 'log' or 'linear', got 'cosine'"):
+        make(sgd(lr=0.1), "cosine")
+
+
+def test_param_key_constants_are_the_config_keys():
+    from shardspeed.optim import lr_schedules as lrs
+
+    keys = {name: getattr(lrs, name) for name in dir(lrs) if name.isupper()}
+    schedule_keys = {
+        value
+        for name, value in keys.items()
+        if name not in ("VALID_LR_SCHEDULES", "WARMUP_LOG_RATE", "WARMUP_LINEAR_RATE")
+        and value not in lrs.VALID_LR_SCHEDULES
+    }
+    config_keys = set().union(*(model.model_fields for model in SCHEDULER_PARAMS.values()))
+    assert schedule_keys == config_keys
+    assert (lrs.WARMUP_LOG_RATE, lrs.WARMUP_LINEAR_RATE) == ("log", "linear")
 
 
 def test_scheduler_params_defaults_and_refusals():

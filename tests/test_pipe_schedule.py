@@ -3,19 +3,30 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from shardspeed.comm.topology import (
+    PipelineParallelGrid,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+    _prime_factors,
+)
 from shardspeed.pipe.schedule import (
     BackwardPass,
+    BufferOpInstruction,
     ForwardPass,
+    InferenceSchedule,
     Instruction,
     LoadMicroBatch,
     OptimizerStep,
     RecvActivation,
     RecvGrad,
     ReduceGrads,
+    ReduceTiedGrads,
     ScheduleError,
     SendActivation,
     SendGrad,
+    TrainSchedule,
     bubble_fraction,
     check_schedule,
     format_schedule,
@@ -228,3 +239,169 @@ def test_printing():
         "rank 1: [RecvAct(mb=0,c=0,from=0)] Load(mb=0) F(mb=0,c=0) B(mb=0,c=0)"
         " [SendGrad(mb=0,c=0,to=0)] ReduceGrads OptimizerStep"
     )
+
+
+# DeepSpeed's step view (TrainSchedule / InferenceSchedule) -------------------------------------
+
+
+def _compute(step: list[Instruction]) -> list[Instruction]:
+    return [i for i in step if isinstance(i, (F, B))]
+
+
+@pytest.mark.parametrize("stages", range(1, 6))
+def test_step_views_are_the_engine_lists_cut_into_steps(stages):
+    for m in range(1, 10):
+        train, infer = train_schedule("1f1b", stages, m), inference_schedule(stages, m)
+        for r in range(stages):
+            steps = list(TrainSchedule(micro_batches=m, stages=stages, stage_id=r))
+            assert len(steps) == 2 * (m + stages - 1)
+            assert all(len(_compute(step)) <= 1 for step in steps)
+            assert steps[-1][-3:] == [ReduceTiedGrads(), *END]
+            flat = [i for step in steps for i in step if not isinstance(i, ReduceTiedGrads)]
+            assert flat == train[r]
+            steps = list(InferenceSchedule(micro_batches=m, stages=stages, stage_id=r))
+            assert len(steps) == m + stages - 1
+            # DeepSpeed's placement: stage r runs micro-batch k forward in step k + r
+            assert [_compute(step) for step in steps] == [
+                [F(k - r, 0)] if 0 <= k - r < m else [] for k in range(m + stages - 1)
+            ]
+            assert [i for step in steps for i in step] == infer[r]
+
+
+def test_a_message_sits_in_the_same_step_on_both_ranks():
+    # so a barrier between steps cannot deadlock, DeepSpeed's promise for its steps
+    p, m = 4, 6
+    where = {}
+    for r in range(p):
+        for s, step in enumerate(TrainSchedule(m, p, r)):
+            for i in step:
+                if is_communication(i):
+                    send = isinstance(i, (SA, SG))
+                    pair = (r, i.peer) if send else (i.peer, r)
+                    kind = "act" if isinstance(i, (SA, RA)) else "grad"
+                    where.setdefault((pair, kind, i.micro_batch), set()).add((s, send))
+    assert where and all(len(v) == 2 and len({s for s, _ in v}) == 1 for v in where.values())
+
+
+def test_buffer_ids_never_name_a_slot_still_in_use():
+    for p in range(1, 6):
+        for m in range(1, 10):
+            for view in [TrainSchedule, InferenceSchedule]:
+                for r in range(p):
+                    sched = view(m, p, r)
+                    steps, n = list(sched), sched.num_pipe_buffers()
+                    spans = {}
+                    for s, step in enumerate(steps):
+                        for i in step:
+                            if isinstance(i, BufferOpInstruction):
+                                assert i.buffer_id == i.micro_batch % n
+                                spans[i.micro_batch] = (spans.get(i.micro_batch, (s, s))[0], s)
+                    for s in range(len(steps)):
+                        live = [mb % n for mb, (a, b) in spans.items() if a <= s <= b]
+                        assert len(live) == len(set(live)), (view, p, m, r, s)
+    # the first stage keeps what 1F1B keeps in flight, as DeepSpeed's count says
+    assert [
+        TrainSchedule(8, 4, 0).num_pipe_buffers(),
+        TrainSchedule(2, 4, 0).num_pipe_buffers(),
+    ] == [
+        4,
+        2,
+    ]
+
+
+def test_buffer_id_is_presentation_only():
+    assert F(0, 0, buffer_id=1) == F(0, 0)
+    assert str(L(2, buffer_id=0)) == "Load(mb=2)"
+    assert train_schedule("1f1b", 2, 2)[0][0].buffer_id is None
+
+
+def test_step_view_stage_queries_and_validation():
+    sched = TrainSchedule(micro_batches=4, stages=3, stage_id=2)
+    assert (sched.stage, sched.num_stages, sched.num_micro_batches) == (2, 3, 4)
+    assert (sched.is_first_stage, sched.is_last_stage) == (False, True)
+    assert list(sched) == list(sched)  # each iteration starts over
+    with pytest.raises(ValueError, match=r"stage_id must be an integer in 0\.\.2"):
+        TrainSchedule(micro_batches=4, stages=3, stage_id=3)
+    with pytest.raises(ValueError, match="micro_batches must be an integer >= 1"):
+        InferenceSchedule(micro_batches=0, stages=3, stage_id=0)
+
+
+# Topology: DeepSpeed's pipeline grid ----------------------------------------------------------------
+
+
+def test_prime_factors():
+    assert [_prime_factors(n) for n in (1, 2, 12, 29, 49, 360)] == [
+        [],
+        [2],
+        [2, 2, 3],
+        [29],
+        [7, 7],
+        [2, 2, 2, 3, 3, 5],
+    ]
+    with pytest.raises(ValueError, match="positive integer"):
+        _prime_factors(0)
+
+
+def _grid(axes: list[str], dims: list[int]) -> dict:
+    import torch.distributed as dist
+
+    if axes:
+        grid = PipelineParallelGrid(topology=ProcessTopology(axes=axes, dims=dims))
+    else:
+        grid = PipelineParallelGrid()
+    rank = dist.get_rank()
+    sums = {}
+    for name in ("pipe_parallel", "data_parallel", "model_parallel", "slice_parallel"):
+        t = torch.tensor([rank])
+        dist.all_reduce(t, group=getattr(grid, f"get_{name}_group")())
+        sums[name] = int(t)
+    return {
+        "dims": (grid.pipe_parallel_size, grid.data_parallel_size, grid.model_parallel_size),
+        "stage": (grid.get_stage_id(), grid.is_first_stage, grid.is_last_stage),
+        "ranks": (grid.pp_group, grid.dp_group, grid.slice_group),
+        "mp": (grid.get_model_parallel_rank(), grid.get_model_parallel_world_size()),
+        "to_global": [grid.stage_to_global(s) for s in range(grid.pipe_parallel_size)],
+        "data1": grid.stage_to_global(stage_id=0, data=1) if grid.data_parallel_size > 1 else None,
+        "sums": sums,
+        "valid": grid._is_grid_valid(),
+    }
+
+
+def test_pipeline_grid(pool4):
+    # pipe x data, as DeepSpeed's test: stage 0 is ranks 0 and 1
+    for rank, g in enumerate(pool4.run(_grid, ["pipe", "data"], [2, 2])):
+        stage, data = divmod(rank, 2)
+        assert g["dims"] == (2, 2, 1) and g["valid"]
+        assert g["stage"] == (stage, stage == 0, stage == 1)
+        assert g["ranks"] == ([data, data + 2], [2 * stage, 2 * stage + 1], [rank])
+        assert g["to_global"] == [data, data + 2] and g["data1"] == 1
+        assert g["mp"] == (stage, 2)  # DeepSpeed's model-parallel group: one whole replica
+        assert g["sums"] == {
+            "pipe_parallel": 2 * data + 2,
+            "data_parallel": 4 * stage + 1,
+            "model_parallel": 2 * data + 2,
+            "slice_parallel": rank,  # a group of one, not the world
+        }
+    # no topology: 4 = 2 * 2, dealt to pipe then data
+    assert pool4.run(_grid, [], [])[3]["dims"] == (2, 2, 1)
+    # pipe x data x model: the slice group is the tensor-parallel one
+    mesh = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
+    grids = pool4.run(_grid, mesh.axes, mesh.dims)
+    assert [g["ranks"][2] for g in grids] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [g["sums"]["model_parallel"] for g in grids] == [6] * 4
+    assert [g["mp"] for g in grids] == [(0, 4), (1, 4), (2, 4), (3, 4)]
+
+
+def test_pipeline_grid_refuses_a_process_group():
+    with pytest.raises(ValueError, match="pass only topology"):
+        PipelineParallelGrid(process_group=object())
+
+
+def test_deepspeed_paths_resolve_to_the_room_and_the_layout():
+    from shardspeed import compat
+    from shardspeed.compat.deepspeed.runtime.pipe import topology
+
+    assert compat.resolve("deepspeed.runtime.pipe.schedule") == "shardspeed.pipe.schedule"
+    layout = "shardspeed.compat.deepspeed.runtime.pipe.topology"
+    assert compat.resolve("deepspeed.runtime.pipe.topology") == layout
+    assert topology.PipelineParallelGrid is PipelineParallelGrid

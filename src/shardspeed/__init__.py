@@ -99,6 +99,10 @@ _LAZY = {
     "init_distributed": "shardspeed.comm",
     "ConfigError": "shardspeed.config",
     "ShardSpeedConfig": "shardspeed.config",
+    "get_accelerator": "shardspeed.accelerator",
+    "OnDevice": "shardspeed.utils.init_on_device",
+    "log_dist": "shardspeed.utils",
+    "logger": "shardspeed.utils",
 }
 _SUBMODULES = (
     "accelerator",

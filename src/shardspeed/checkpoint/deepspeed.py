@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import shutil
 import tempfile
@@ -46,6 +47,75 @@ from .values import encode
 logger = logging.getLogger("shardspeed")
 
 LATEST = "latest"
+
+# -- DeepSpeed's names --------------------------------------------------------------------------------
+# What DeepSpeed calls its files and the keys this reader takes from them, under DeepSpeed's own
+# names (`deepspeed.checkpoint.constants`), so code written against those names reads the same.
+
+# Keys of `*_optim_states.pt`.
+OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+FP32_FLAT_GROUPS = "fp32_flat_groups"  # ZeRO 3
+SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"  # ZeRO 1 and 2
+BASE_OPTIMIZER_STATE = "base_optimizer_state"
+PARAM_GROUPS = "param_groups"
+PARAM_SLICE_MAPPINGS = "param_slice_mappings"
+PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"
+ZERO_STAGE = "zero_stage"
+LOSS_SCALER = "loss_scaler"
+# Keys of `*_model_states.pt`.
+PARAM_SHAPES = "param_shapes"
+BUFFER_NAMES = "buffer_names"
+FROZEN_PARAM_SHAPES = "frozen_param_shapes"
+FROZEN_PARAM_FRAGMENTS = "frozen_param_fragments"
+CHECKPOINT_PARALLEL_DIMS = "checkpoint_parallel_dimensions"
+DS_VERSION = "ds_version"
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+# Universal checkpoints: `zero/<name>/fp32.pt` holds {PARAM: tensor}.
+FP32_WEIGHT_KEY = "fp32"
+PARAM = "param"
+# File names: `mp_rank_00_model_states.pt`, `[bf16_]zero_pp_rank_0_mp_rank_00_optim_states.pt`,
+# `layer_01-model_states.pt`.
+MODEL_FILE_PREFIX = "mp_rank_"
+ZERO_FILE_PREFIX = "zero_pp_rank_"
+BF16_ZERO_FILE_PREFIX = "bf16_" + ZERO_FILE_PREFIX
+MODEL_FILE_SUFFIX = "_model_states.pt"
+OPTIM_FILE_SUFFIX = "_optim_states.pt"
+LAYER_FILE_PREFIX = "layer_"
+
+
+def get_model_ckpt_name_for_rank(base_folder: str | os.PathLike, mp_rank_str: str) -> str:
+    """The model-states file of model-parallel rank `mp_rank_str` ("00") in DeepSpeed tag
+    directory `base_folder` (ZeRO 0 to 2, and universal checkpoints)."""
+    return os.path.join(base_folder, f"{MODEL_FILE_PREFIX}{mp_rank_str}{MODEL_FILE_SUFFIX}")
+
+
+def _natural_key(text: str) -> list[int | str]:
+    """Sorts rank 10 after rank 9: the digit runs of `text` compare as numbers."""
+    return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", text))]
+
+
+def _matching(directory: Path, pattern: str) -> list[Path]:
+    """The files in `directory` that `pattern` matches, in rank order."""
+    return sorted(Path(directory).glob(pattern), key=lambda path: _natural_key(path.name))
+
+
+def get_checkpoint_files(checkpoint_dir: str | os.PathLike, glob_pattern: str) -> list[str]:
+    """The files in `checkpoint_dir` that `glob_pattern` matches, in rank order (numbers in the
+    names compared as numbers); FileNotFoundError when there are none."""
+    files = _matching(Path(checkpoint_dir), glob_pattern)
+    if not files:
+        raise FileNotFoundError(f"no {glob_pattern} files in directory {str(checkpoint_dir)!r}")
+    return [str(path) for path in files]
+
+
+def get_optim_files(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """A DeepSpeed tag directory's optimizer-states files, in rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*" + OPTIM_FILE_SUFFIX)
+
+
+def get_model_state_files(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """A DeepSpeed tag directory's model-states files, in rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*" + MODEL_FILE_SUFFIX)
 
 
 class _Record:
@@ -83,12 +153,12 @@ ALLOWED = {
 # model_states keys that are DeepSpeed's bookkeeping; any other top-level key is client state.
 _BOOKKEEPING = {
     "module",
-    "buffer_names",
+    BUFFER_NAMES,
     "optimizer",
-    "param_shapes",
-    "frozen_param_shapes",
+    PARAM_SHAPES,
+    FROZEN_PARAM_SHAPES,
     "shared_params",
-    "frozen_param_fragments",
+    FROZEN_PARAM_FRAGMENTS,
     "lr_scheduler",
     "data_sampler",
     "random_ltd",
@@ -98,10 +168,10 @@ _BOOKKEEPING = {
     "global_samples",
     "dp_world_size",
     "mp_world_size",
-    "checkpoint_parallel_dimensions",
+    CHECKPOINT_PARALLEL_DIMS,
     "ds_config",
-    "ds_version",
-    "universal_checkpoint_info",
+    DS_VERSION,
+    UNIVERSAL_CHECKPOINT_INFO,
 }
 # Torch optimizer hyperparameters carried over (DeepSpeed's groups also hold its own keys).
 _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov")
@@ -176,8 +246,8 @@ def read_deepspeed(tag_dir: Path) -> DeepSpeedState:
     tag_dir = Path(tag_dir)
     if (tag_dir / "zero" / "optimizer_state.pt").exists():
         return _read_universal(tag_dir)
-    models = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
-    layers = sorted(tag_dir.glob("layer_*-model_states.pt"))
+    models = _matching(tag_dir, f"{MODEL_FILE_PREFIX}*{MODEL_FILE_SUFFIX}")
+    layers = _matching(tag_dir, f"{LAYER_FILE_PREFIX}*-model_states.pt")
     if len(models) > 1 and not layers:
         raise CheckpointError(
             f"{tag_dir} is a tensor-parallel DeepSpeed checkpoint ({len(models)} model-parallel "
@@ -198,7 +268,7 @@ def read_deepspeed(tag_dir: Path) -> DeepSpeedState:
             _read_layer(state, path)
         state.written_by = {"zero_stage": stage, "pipeline_stages": len(models)}
         return state
-    ranks = sorted(tag_dir.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"), key=_rank_of)
+    ranks = _stage3_models(tag_dir)
     if not ranks:
         raise CheckpointError(f"{tag_dir}: no DeepSpeed model-states file there")
     state = DeepSpeedState()
@@ -209,15 +279,11 @@ def read_deepspeed(tag_dir: Path) -> DeepSpeedState:
     return state
 
 
-def _rank_of(path: Path) -> int:
-    return int(re.search(r"zero_pp_rank_(\d+)_", path.name).group(1))
-
-
 def _stage_of(tag_dir: Path, model_states: dict) -> int:
-    optim = sorted(tag_dir.glob("*zero_pp_rank_*_optim_states.pt"))
+    optim = _matching(tag_dir, f"*{ZERO_FILE_PREFIX}*{OPTIM_FILE_SUFFIX}")
     if not optim:
         return 0
-    stage = read_pt(optim[0])["optimizer_state_dict"].get("zero_stage", 2)
+    stage = read_pt(optim[0])[OPTIMIZER_STATE_DICT].get(ZERO_STAGE, 2)
     return int(stage)
 
 
@@ -237,13 +303,13 @@ def _bookkeeping(state: DeepSpeedState, model_states: dict, tag_dir: Path) -> No
     state.lr_scheduler = model_states.get("lr_scheduler")
     state.client_state = {k: v for k, v in model_states.items() if k not in _BOOKKEEPING}
     module = model_states.get("module") or {}
-    for name in model_states.get("buffer_names") or []:
+    for name in model_states.get(BUFFER_NAMES) or []:
         if name in module:
             state.buffers[name] = module[name]
     state.written_by["dp_world_size"] = dp
     logger.info(
         "reading DeepSpeed %s checkpoint %s (step %d)",
-        model_states.get("ds_version", "?"),
+        model_states.get(DS_VERSION, "?"),
         tag_dir,
         steps,
     )
@@ -275,7 +341,7 @@ def _loss_scaler(source: Any, optimizer_state: dict) -> dict[str, Any]:
 
 def _module_params(model_states: dict) -> list[str]:
     """The names of the module's parameters in order (its state dict less the buffers)."""
-    buffers = set(model_states.get("buffer_names") or [])
+    buffers = set(model_states.get(BUFFER_NAMES) or [])
     return [n for n in (model_states.get("module") or {}) if n not in buffers]
 
 
@@ -284,10 +350,10 @@ def _read_stage0(state: DeepSpeedState, model_states: dict) -> None:
     optimizer = model_states.get("optimizer") or {}
     names = _module_params(model_states)
     if "fp32_groups_flat" in optimizer:  # fp16 / bf16: a wrapper around flat fp32 groups
-        inner = optimizer["optimizer_state_dict"]
+        inner = optimizer[OPTIMIZER_STATE_DICT]
         offset_names = iter(names)
         for g, flat in enumerate(optimizer["fp32_groups_flat"]):
-            group = inner["param_groups"][g]
+            group = inner[PARAM_GROUPS][g]
             group_state = inner["state"].get(group["params"][0], {})
             start = 0
             while start < flat.numel():
@@ -304,13 +370,13 @@ def _read_stage0(state: DeepSpeedState, model_states: dict) -> None:
         return
     index = 0
     by_index = {}
-    for group in optimizer.get("param_groups", []):
+    for group in optimizer.get(PARAM_GROUPS, []):
         for param_id in group["params"]:
             by_index[param_id] = names[index]
             index += 1
     for name in names:
         state.params[name] = module[name].float()
-    for group in optimizer.get("param_groups", []):
+    for group in optimizer.get(PARAM_GROUPS, []):
         found = []
         for param_id in group["params"]:
             param_state = optimizer["state"].get(param_id, {})
@@ -322,24 +388,25 @@ def _read_stage0(state: DeepSpeedState, model_states: dict) -> None:
 
 
 def _optim_files(tag_dir: Path, mp: int) -> list[Path]:
-    files = sorted(tag_dir.glob(f"*zero_pp_rank_*_mp_rank_{mp:02d}_optim_states.pt"), key=_rank_of)
+    pattern = f"*{ZERO_FILE_PREFIX}*_{MODEL_FILE_PREFIX}{mp:02d}{OPTIM_FILE_SUFFIX}"
+    files = _matching(tag_dir, pattern)
     if not files:
         raise CheckpointError(f"{tag_dir}: no optimizer-states files for model-parallel rank {mp}")
     return files
 
 
 def _read_stage12(state: DeepSpeedState, model_states: dict, tag_dir: Path, mp: int) -> None:
-    shapes = model_states["param_shapes"]
-    ranks = [read_pt(p)["optimizer_state_dict"] for p in _optim_files(tag_dir, mp)]
+    shapes = model_states[PARAM_SHAPES]
+    ranks = [read_pt(p)[OPTIMIZER_STATE_DICT] for p in _optim_files(tag_dir, mp)]
     first = ranks[0]
-    if any(any(pads) for r in ranks for pads in r.get("param_alignment_paddings", [])):
+    if any(any(pads) for r in ranks for pads in r.get(PARAM_ALIGNMENT_PADDINGS, [])):
         raise CheckpointError(
             f"{tag_dir}: parameter alignment paddings are not read; convert it with DeepSpeed's "
             "ds_to_universal first"
         )
     for g, names in enumerate(shapes):
-        partitions = [r["single_partition_of_fp32_groups"][g] for r in ranks]
-        rank_states = [r["base_optimizer_state"]["state"].get(g, {}) for r in ranks]
+        partitions = [r[SINGLE_PARTITION_OF_FP32_GROUPS][g] for r in ranks]
+        rank_states = [r[BASE_OPTIMIZER_STATE]["state"].get(g, {}) for r in ranks]
         keys = [k for k, v in rank_states[0].items() if torch.is_tensor(v) and v.dim() > 0]
         spans = _spans(ranks, g, names, partitions)
         for name, shape in names.items():
@@ -355,10 +422,10 @@ def _read_stage12(state: DeepSpeedState, model_states: dict, tag_dir: Path, mp: 
             for key in keys:
                 value = torch.cat([rank_states[r][key][a:b] for r, a, b in pieces])
                 state.states.setdefault(key, {})[name] = value.view(tuple(shape)).float()
-        group = first["base_optimizer_state"]["param_groups"][g]
+        group = first[BASE_OPTIMIZER_STATE][PARAM_GROUPS][g]
         if mp == 0:  # a pipeline's stages each hold their part of the same param groups
             state.groups.append({"hyper": _hyper(group), "scalars": _scalar_step(rank_states)})
-    state.loss_scaler = _loss_scaler(first.get("loss_scaler"), first)
+    state.loss_scaler = _loss_scaler(first.get(LOSS_SCALER), first)
     module = model_states.get("module") or {}
     trained = {n for group in shapes for n in group}
     for name in _module_params(model_states):
@@ -371,7 +438,7 @@ def _spans(
 ) -> dict[str, list[tuple[int, int, int]]]:
     """Each parameter's (rank, start, end) pieces of group `g`'s partitions, in rank order."""
     spans: dict[str, list[tuple[int, int, int]]] = {name: [] for name in names}
-    mappings = [r.get("param_slice_mappings") for r in ranks]
+    mappings = [r.get(PARAM_SLICE_MAPPINGS) for r in ranks]
     if all(m is not None for m in mappings):
         for r, mapping in enumerate(mappings):
             for name, address in mapping[g].items():
@@ -395,14 +462,14 @@ def _spans(
 
 
 def _read_stage3(state: DeepSpeedState, model_states: dict, tag_dir: Path, world: int) -> None:
-    shapes = model_states["param_shapes"]
-    ranks = [read_pt(p)["optimizer_state_dict"] for p in _optim_files(tag_dir, 0)]
+    shapes = model_states[PARAM_SHAPES]
+    ranks = [read_pt(p)[OPTIMIZER_STATE_DICT] for p in _optim_files(tag_dir, 0)]
     if len(ranks) != world:
         raise CheckpointError(
             f"{tag_dir}: {world} model-states files but {len(ranks)} optimizer ones"
         )
-    flats = [torch.cat(list(r["fp32_flat_groups"])) for r in ranks]
-    inner = [r["optimizer_state_dict"] for r in ranks]
+    flats = [torch.cat(list(r[FP32_FLAT_GROUPS])) for r in ranks]
+    inner = [r[OPTIMIZER_STATE_DICT] for r in ranks]
     sub_groups = sorted(inner[0]["state"])
     keys = (
         [
@@ -427,15 +494,14 @@ def _read_stage3(state: DeepSpeedState, model_states: dict, tag_dir: Path, world
                 values = torch.cat([v[offset : offset + part] for v in stacked[key]])[:numel]
                 state.states.setdefault(key, {})[name] = values.view(tuple(shape)).float()
             offset += part
-        group = inner[0]["param_groups"][min(g, len(inner[0]["param_groups"]) - 1)]
+        groups = inner[0][PARAM_GROUPS]
+        group = groups[min(g, len(groups) - 1)]
         found = [inner[0]["state"][s] for s in sub_groups]
         state.groups.append({"hyper": _hyper(group), "scalars": _scalar_step(found)})
-    state.loss_scaler = _loss_scaler(ranks[0].get("loss_scaler"), ranks[0])
-    frozen_shapes = model_states.get("frozen_param_shapes") or {}
+    state.loss_scaler = _loss_scaler(ranks[0].get(LOSS_SCALER), ranks[0])
+    frozen_shapes = model_states.get(FROZEN_PARAM_SHAPES) or {}
     if frozen_shapes:
-        fragments = [
-            read_pt(p).get("frozen_param_fragments") or {} for p in _stage3_models(tag_dir)
-        ]
+        fragments = [read_pt(p).get(FROZEN_PARAM_FRAGMENTS) or {} for p in _stage3_models(tag_dir)]
         for name, shape in frozen_shapes.items():
             numel = math.prod(shape)
             whole = torch.cat([f[name].reshape(-1) for f in fragments])[:numel]
@@ -443,11 +509,11 @@ def _read_stage3(state: DeepSpeedState, model_states: dict, tag_dir: Path, world
 
 
 def _stage3_models(tag_dir: Path) -> list[Path]:
-    return sorted(tag_dir.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"), key=_rank_of)
+    return _matching(tag_dir, f"{ZERO_FILE_PREFIX}*_{MODEL_FILE_PREFIX}00{MODEL_FILE_SUFFIX}")
 
 
 def _read_layer(state: DeepSpeedState, path: Path) -> None:
-    index = int(re.match(r"layer_(\d+)-", path.name).group(1))
+    index = int(re.match(rf"{LAYER_FILE_PREFIX}(\d+)-", path.name).group(1))
     for key, value in read_pt(path).items():
         name = f"{index}.{key}"
         if name not in state.params and torch.is_tensor(value):
@@ -456,35 +522,35 @@ def _read_layer(state: DeepSpeedState, path: Path) -> None:
 
 def _read_universal(tag_dir: Path) -> DeepSpeedState:
     state = DeepSpeedState()
-    models = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
-    model_states = read_pt(models[0]) if models else {}
+    first = Path(get_model_ckpt_name_for_rank(tag_dir, "00"))
+    model_states = read_pt(first) if first.exists() else {}
     _bookkeeping(state, model_states, tag_dir)
     optimizer = read_pt(tag_dir / "zero" / "optimizer_state.pt")
-    shapes = model_states.get("param_shapes") or [
+    shapes = model_states.get(PARAM_SHAPES) or [
         {p.name: None for p in sorted((tag_dir / "zero").iterdir()) if p.is_dir()}
     ]
     steps = []
     for names in shapes:
         for name in names:
             folder = tag_dir / "zero" / name
-            state.params[name] = _universal_tensor(folder / "fp32.pt").float()
+            state.params[name] = _universal_tensor(folder / f"{FP32_WEIGHT_KEY}.pt").float()
             for file in sorted(folder.glob("*.pt")):
-                if file.stem in ("fp32", "step"):
+                if file.stem in (FP32_WEIGHT_KEY, "step"):
                     continue
                 state.states.setdefault(file.stem, {})[name] = _universal_tensor(file).float()
             if (folder / "step.pt").exists():
                 steps.append({"step": read_pt(folder / "step.pt")})
-    for g, group in enumerate(optimizer.get("param_groups", [{}] * len(shapes))):
+    for g, group in enumerate(optimizer.get(PARAM_GROUPS, [{}] * len(shapes))):
         if g < len(shapes):
             state.groups.append({"hyper": _hyper(group), "scalars": _scalar_step(steps)})
-    state.loss_scaler = _loss_scaler(optimizer.get("loss_scaler"), optimizer)
-    state.written_by = {"zero_stage": int(optimizer.get("zero_stage", 0)), "pipeline_stages": 1}
+    state.loss_scaler = _loss_scaler(optimizer.get(LOSS_SCALER), optimizer)
+    state.written_by = {"zero_stage": int(optimizer.get(ZERO_STAGE, 0)), "pipeline_stages": 1}
     return state
 
 
 def _universal_tensor(path: Path) -> torch.Tensor:
     value = read_pt(path)
-    return value["param"] if isinstance(value, dict) else value
+    return value[PARAM] if isinstance(value, dict) else value
 
 
 # -- writing ----------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""DeepSpeed's `deepspeed.checkpoint.utils` helpers that libraries call (accelerate's state dicts)."""
+"""DeepSpeed's `deepspeed.checkpoint.utils` helpers that libraries call (accelerate's state dicts,
+scripts that find a DeepSpeed checkpoint's files)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["clone_tensors_for_torch_save"]
+from .deepspeed import get_model_ckpt_name_for_rank
+
+__all__ = ["clone_tensors_for_torch_save", "get_model_ckpt_name_for_rank"]
 
 
 def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") -> Any:
@@ -14,7 +17,9 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") 
     `device`: a copy that owns its storage, so saving it never writes the whole flat buffer a
     parameter is a view of."""
     if torch.is_tensor(item):
-        return item.detach().clone().to(device)
+        return item.detach().to(device, copy=True)
+    if isinstance(item, tuple) and hasattr(item, "_fields"):  # a namedtuple takes its fields apart
+        return type(item)(*(clone_tensors_for_torch_save(v, device) for v in item))
     if isinstance(item, list | tuple):
         return type(item)(clone_tensors_for_torch_save(v, device) for v in item)
     if isinstance(item, dict):

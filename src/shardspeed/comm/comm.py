@@ -123,6 +123,12 @@ def is_initialized() -> bool:
     return dist.is_initialized()
 
 
+def destroy_process_group(group: Any = None) -> None:
+    """Close `group` (default: every group, as torch does); nothing to do without a process group."""
+    if dist.is_initialized():
+        dist.destroy_process_group(group)
+
+
 def get_rank(group: Any = None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 

@@ -4,7 +4,8 @@ A `ProcessTopology` (DeepSpeed's class of that name) is a mesh of named axes, th
 fastest: with axes (pipe, data) and sizes (2, 2), ranks 0 and 1 are stage 0's two data-parallel
 replicas. `Topology` is this rank's view of it: its coordinates, the data-parallel group it averages
 gradients over, the pipeline group its stages form and the tensor-parallel group its split layers
-use. A Megatron-style `mpu` is honoured.
+use. A Megatron-style `mpu` is honoured. `PipelineParallelGrid` is DeepSpeed's face on the same
+groups.
 
 Expert parallelism splits each data-parallel group further (`Topology.expert_groups`): runs of
 `ep_size` consecutive data-parallel ranks share out a mixture-of-experts layer's experts (the expert
@@ -109,6 +110,22 @@ class PipeModelDataParallelTopology(ProcessTopology):
 
     def __init__(self, num_pp: int, num_mp: int, num_dp: int) -> None:
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
+
+
+def _prime_factors(n: int) -> list[int]:
+    """The prime factors of `n`, smallest first, repeated as often as they divide it."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"prime factors need a positive integer, got {n!r}")
+    factors, p = [], 2
+    while n > 1:
+        if p * p > n:
+            factors.append(n)
+            break
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    return factors
 
 
 @dataclass(frozen=True)
@@ -308,6 +325,126 @@ class Topology:
 
     def get_pipe_parallel_group(self) -> Any:
         return self.pipe_group
+
+
+class PipelineParallelGrid:
+    """DeepSpeed's grid: the groups of a (pipe, data[, model]) mesh, with DeepSpeed's `mpu`
+    methods, over `Topology.from_mesh` (which makes the groups, once per mesh).
+
+    Without a topology the world size's prime factors are dealt to pipe and data in turn, the
+    first to pipe, as DeepSpeed does. Collective: every rank builds the grid. The model-parallel
+    group is DeepSpeed's (pipe x model: the ranks holding one replica, for overflow checks and
+    norms); the slice group is the tensor-parallel one.
+    """
+
+    def __init__(self, topology: ProcessTopology | None = None, process_group: Any = None) -> None:
+        if process_group is not None:
+            raise ValueError(
+                "PipelineParallelGrid(process_group=...) is not supported: a grid spans the "
+                "whole world; pass only topology"
+            )
+        if topology is None:
+            world = dist.get_world_size()
+            num_pp = num_dp = 1
+            for i, prime in enumerate(_prime_factors(world)):
+                if i % 2:
+                    num_dp *= prime
+                else:
+                    num_pp *= prime
+            topology = PipeDataParallelTopology(num_pp=num_pp, num_dp=num_dp)
+        missing = {"pipe", "data"} - set(topology.get_axis_names())
+        if missing:
+            raise ValueError(
+                f"a pipeline grid needs the axes {sorted(missing)}; {topology} lacks them"
+            )
+        self._mesh = topology
+        self.topo = Topology.from_mesh(topology)
+        self.global_rank = self.topo.rank
+        self.world_size = self.topo.world_size
+        self.pipe_parallel_size = self.topo.num_stages
+        self.data_parallel_size = self.topo.dp_world_size
+        self.model_parallel_size = self.slice_parallel_size = self.topo.tp_world_size
+        self.stage_id = self.topo.stage
+        self.data_parallel_id = self.topo.dp_rank
+        self.is_first_stage = self.stage_id == 0
+        self.is_last_stage = self.stage_id == self.pipe_parallel_size - 1
+        self.dp_group = self._ranks_with(topology.get_axis_comm_lists("data"))
+        self.pp_group = self._ranks_with(topology.get_axis_comm_lists("pipe"))
+        self._replica = topology.filter_match(data=self.data_parallel_id)
+        if "model" in topology.get_axis_names():
+            self.slice_group = self._ranks_with(topology.get_axis_comm_lists("model"))
+            self._slice_proc_group = self.topo.tp_group
+        else:  # a group of one each: None would mean the world to a collective
+            self.slice_group = [self.global_rank]
+            self._slice_proc_group = subgroup([[r] for r in range(self.world_size)])
+
+    def _ranks_with(self, rank_lists: list[list[int]]) -> list[int]:
+        return next(ranks for ranks in rank_lists if self.global_rank in ranks)
+
+    def _is_grid_valid(self) -> bool:
+        return self._mesh.world_size() == dist.get_world_size()
+
+    def get_stage_id(self) -> int:
+        return self.stage_id
+
+    def get_data_parallel_id(self) -> int:
+        return self.data_parallel_id
+
+    def stage_to_global(self, stage_id: int, **coords: int) -> int:
+        """The global rank of `stage_id` at this rank's other coordinates, or those given."""
+        mine = self._mesh.get_coord(self.global_rank)._asdict()
+        return self._mesh.get_rank(**{**mine, "pipe": stage_id, **coords})
+
+    def topology(self) -> ProcessTopology:
+        return self._mesh
+
+    def get_global_rank(self) -> int:
+        return self.global_rank
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pipe_parallel_size
+
+    def get_pipe_parallel_group(self) -> Any:
+        return self.topo.pipe_group
+
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.data_parallel_id
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.data_parallel_size
+
+    def get_data_parallel_group(self) -> Any:
+        return self.topo.dp_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.dp_group)
+
+    def get_model_parallel_rank(self) -> int:
+        return self._replica.index(self.global_rank)
+
+    def get_model_parallel_world_size(self) -> int:
+        return len(self._replica)
+
+    def get_model_parallel_group(self) -> Any:
+        return self.topo.mp_group
+
+    def get_slice_parallel_rank(self) -> int:
+        return self.topo.tp_rank
+
+    def get_slice_parallel_world_size(self) -> int:
+        return self.slice_parallel_size
+
+    def get_slice_parallel_group(self) -> Any:
+        return self._slice_proc_group
+
+    get_tensor_model_parallel_rank = get_slice_parallel_rank
+    get_tensor_model_parallel_world_size = get_slice_parallel_world_size
 
 
 def _from_mpu(mpu: Any, rank: int, world: int) -> Topology:

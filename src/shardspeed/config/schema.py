@@ -182,11 +182,11 @@ class AioConfig(StrictModel):
 
 
 # DeepSpeed's default leaf classes: MoE blocks, whose experts run in a data-dependent order.
-DEFAULT_LEAF_MODULE_CLASSES = (
+DEFAULT_LEAF_MODULE_CLASSES = [
     "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
     "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
     "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
-)
+]
 
 
 class LeafModuleConfig(StrictModel):

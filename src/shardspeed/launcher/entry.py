@@ -2,7 +2,8 @@
 
 Flags (before the target): ``--no_local_rank`` (do not append ``--local_rank=N``), ``--compat`` (install
 the ``deepspeed`` import alias first), ``--module`` (the target is a module name), ``--no_python`` (the
-target is an executable to exec).
+target is an executable to exec), ``--bind_cores_to_rank`` (pin this process to its share of cores,
+see :mod:`shardspeed.launcher.cores`) and ``--bind_core_list=LIST`` (the cores to share out).
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-_FLAGS = ("--no_local_rank", "--compat", "--module", "--no_python")
+from shardspeed.launcher.cores import bind_this_process
+
+_FLAGS = ("--no_local_rank", "--compat", "--module", "--no_python", "--bind_cores_to_rank")
+_CORE_LIST = "--bind_core_list="
 
 
 def run_target(target: str, args: Sequence[str], *, module: bool = False) -> None:
@@ -43,11 +47,31 @@ def _set_deepspeed_rank_env() -> None:
             os.environ.setdefault(ours, os.environ[torchrun])
 
 
+def _bind_cores(core_list: str | None) -> None:
+    """Pin this worker to its share of the node's cores (before the target starts its threads)."""
+    try:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    except KeyError as missing:
+        raise SystemExit(
+            f"shardspeed.launcher.entry: --bind_cores_to_rank needs {missing.args[0]}; run it under "
+            "torchrun"
+        ) from None
+    try:
+        bind_this_process(core_list, local_world_size, local_rank)
+    except ValueError as error:
+        raise SystemExit(f"shardspeed.launcher.entry: {error}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the target of this worker; returns 0 when it finishes (failures raise)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = set()
+    core_list = None
     while argv and argv[0].startswith("-"):
+        if argv[0].startswith(_CORE_LIST):
+            core_list = argv.pop(0)[len(_CORE_LIST) :]
+            continue
         if argv[0] not in _FLAGS:
             raise SystemExit(f"shardspeed.launcher.entry: unknown flag {argv[0]!r}")
         flags.add(argv.pop(0))
@@ -63,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # DeepSpeed's launcher passes the local rank as an argument; scripts written for it parse it.
         args.append(f"--local_rank={local_rank}")
     _set_deepspeed_rank_env()
+    if "--bind_cores_to_rank" in flags:
+        _bind_cores(core_list)
     if "--no_python" in flags:
         os.execvp(target, [target, *args])
     if "--compat" in flags:

@@ -10,7 +10,7 @@ the hosts decides which node gets which node rank.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 _SLOTS = re.compile(r"slots=(\d+)")
@@ -77,17 +77,27 @@ def parse_node_specs(spec: str, flag: str = "--include") -> dict[str, list[int] 
     return nodes
 
 
-def filter_resources(
-    pool: Mapping[str, int], include: str = "", exclude: str = ""
-) -> dict[str, list[int]]:
-    """Apply an ``--include`` or ``--exclude`` spec to ``pool`` (``{host: slot_count}``).
+def _describe_slots(slots: Sequence[int]) -> str:
+    """``0-3`` for a contiguous run of slots, else the slots comma-separated."""
+    if not slots:
+        return "none"
+    if list(slots) == list(range(slots[0], slots[0] + len(slots))):
+        return f"{slots[0]}-{slots[-1]}" if len(slots) > 1 else str(slots[0])
+    return ", ".join(map(str, slots))
 
-    With neither spec every slot of every host is used. Hosts left without slots are dropped.
+
+def parse_resource_filter(
+    host_info: Mapping[str, Sequence[int]], include_str: str = "", exclude_str: str = ""
+) -> dict[str, list[int]]:
+    """Apply an ``--include`` or ``--exclude`` spec to ``host_info`` (``{host: slot indices}``).
+
+    Named as in DeepSpeed's runner. Hosts left without slots are dropped, so the result may be empty;
+    with neither spec every slot of every host is kept.
     """
-    if include and exclude:
+    if include_str and exclude_str:
         raise ValueError("--include and --exclude are mutually exclusive")
-    available = {host: list(range(count)) for host, count in pool.items()}
-    flag, spec = ("--include", include) if include else ("--exclude", exclude)
+    available = {host: list(slots) for host, slots in host_info.items()}
+    flag, spec = ("--include", include_str) if include_str else ("--exclude", exclude_str)
     if not spec:
         return available
     requested = parse_node_specs(spec, flag)
@@ -96,24 +106,38 @@ def filter_resources(
             known = ", ".join(available)
             raise ValueError(f"{flag}: host {host!r} is not among the available hosts ({known})")
         for slot in slots or []:
-            if slot >= pool[host]:
+            if slot not in available[host]:
                 raise ValueError(
-                    f"{flag}: host {host!r} has no slot {slot} (it has slots 0-{pool[host] - 1})"
+                    f"{flag}: host {host!r} has no slot {slot} "
+                    f"(it has slots {_describe_slots(available[host])})"
                 )
-    if include:
-        selected = {
+    if include_str:
+        return {
             host: available[host] if requested[host] is None else requested[host]
             for host in available
             if host in requested
         }
-    else:
-        selected = {}
-        for host, slots in available.items():
-            removed = requested.get(host, [])
-            kept = [] if removed is None else [slot for slot in slots if slot not in removed]
-            if kept:
-                selected[host] = kept
+    selected = {}
+    for host, slots in available.items():
+        removed = requested.get(host, [])
+        kept = [] if removed is None else [slot for slot in slots if slot not in removed]
+        if kept:
+            selected[host] = kept
+    return selected
+
+
+def filter_resources(
+    pool: Mapping[str, int], include: str = "", exclude: str = ""
+) -> dict[str, list[int]]:
+    """Apply an ``--include`` or ``--exclude`` spec to ``pool`` (``{host: slot_count}``).
+
+    With neither spec every slot of every host is used. Hosts left without slots are dropped, and a
+    spec that leaves none at all is refused: there would be nothing to run on.
+    """
+    available = {host: list(range(count)) for host, count in pool.items()}
+    selected = parse_resource_filter(available, include, exclude)
     if not selected:
+        flag, spec = ("--include", include) if include else ("--exclude", exclude)
         raise ValueError(f"{flag} {spec!r} leaves no slots to run on")
     return selected
 

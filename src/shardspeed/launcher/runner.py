@@ -23,7 +23,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from shardspeed.launcher.hostfile import read_hostfile, select_resources
+from shardspeed.launcher.cores import parse_range_list
+from shardspeed.launcher.hostfile import parse_hostfile, read_hostfile, select_resources
+from shardspeed.launcher.hostfile import parse_resource_filter as parse_resource_filter
 from shardspeed.utils.net import free_port, port_is_free
 
 DEFAULT_HOSTFILE = "/job/hostfile"
@@ -34,6 +36,10 @@ DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"
 # Variables whose names start with one of these are copied to remote nodes. This is DeepSpeed's list
 # (MLFLOW, PYTHON, MV2, UCX) plus NCCL, which its CUDA accelerator adds.
 EXPORT_PREFIXES = ("NCCL", "PYTHON", "MLFLOW", "UCX", "MV2")
+
+# DeepSpeed's runner offers its hostfile helpers under these names (parse_resource_filter is
+# re-exported above); code written for it calls them here.
+_parse_hostfile = parse_hostfile
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -122,6 +128,18 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, bool]]:
     )
     add("--ssh_port", type=int, default=None, help="ssh port for remote nodes")
     add(
+        "--bind_cores_to_rank",
+        action="store_true",
+        help="pin each process to an equal share of its node's CPU cores and set OMP_NUM_THREADS "
+        "to the share's size (no NUMA memory binding)",
+    )
+    add(
+        "--bind_core_list",
+        default=None,
+        help="with --bind_cores_to_rank: the cores to share out, e.g. 0,2-5 (default: all the "
+        "cores the launcher may use)",
+    )
+    add(
         "--autotuning",
         choices=("tune", "run"),
         default=None,
@@ -154,6 +172,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--module and --no_python cannot be used together")
     if args.compat and args.no_python:
         parser.error("--compat needs a Python script; it cannot be used with --no_python")
+    if args.bind_core_list is not None:
+        if not args.bind_cores_to_rank:
+            parser.error("--bind_core_list only takes effect with --bind_cores_to_rank; add it")
+        try:
+            parse_range_list(args.bind_core_list)
+        except ValueError as error:
+            parser.error(f"--bind_core_list: {error}")
     return args
 
 
@@ -244,9 +269,11 @@ def torchrun_command(
     if args.max_restarts is not None:
         command += ["--max_restarts", str(args.max_restarts)]
     command += ["--module", ENTRY_MODULE]
-    for flag in ("no_local_rank", "module", "no_python", "compat"):
+    for flag in ("no_local_rank", "module", "no_python", "compat", "bind_cores_to_rank"):
         if getattr(args, flag):
             command.append(f"--{flag}")
+    if args.bind_core_list is not None:
+        command.append(f"--bind_core_list={args.bind_core_list}")
     return [*command, args.user_script, *args.user_args]
 
 

@@ -33,6 +33,39 @@ WARMUP_DECAY_LR = "WarmupDecayLR"
 WARMUP_COSINE_LR = "WarmupCosineLR"
 VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
 
+# The `scheduler.params` key names of each schedule (DeepSpeed's names), so that callers building a
+# config spell them the one way the schedules and `shardspeed.config.scheduler` accept.
+LR_RANGE_TEST_MIN_LR = "lr_range_test_min_lr"
+LR_RANGE_TEST_STEP_RATE = "lr_range_test_step_rate"
+LR_RANGE_TEST_STEP_SIZE = "lr_range_test_step_size"
+LR_RANGE_TEST_STAIRCASE = "lr_range_test_staircase"
+
+CYCLE_FIRST_STEP_SIZE = "cycle_first_step_size"
+CYCLE_FIRST_STAIR_COUNT = "cycle_first_stair_count"
+CYCLE_SECOND_STEP_SIZE = "cycle_second_step_size"
+CYCLE_SECOND_STAIR_COUNT = "cycle_second_stair_count"
+DECAY_STEP_SIZE = "decay_step_size"
+CYCLE_MIN_LR = "cycle_min_lr"
+CYCLE_MAX_LR = "cycle_max_lr"
+DECAY_LR_RATE = "decay_lr_rate"
+CYCLE_MOMENTUM = "cycle_momentum"
+CYCLE_MIN_MOM = "cycle_min_mom"
+CYCLE_MAX_MOM = "cycle_max_mom"
+DECAY_MOM_RATE = "decay_mom_rate"
+
+WARMUP_MIN_LR = "warmup_min_lr"
+WARMUP_MAX_LR = "warmup_max_lr"
+WARMUP_NUM_STEPS = "warmup_num_steps"
+WARMUP_TYPE = "warmup_type"
+WARMUP_MIN_RATIO = "warmup_min_ratio"
+COS_MIN_RATIO = "cos_min_ratio"
+TOTAL_NUM_STEPS = "total_num_steps"
+LAST_BATCH_ITERATION = "last_batch_iteration"
+
+# The values `warmup_type` takes.
+WARMUP_LOG_RATE = "log"
+WARMUP_LINEAR_RATE = "linear"
+
 logger = logging.getLogger("shardspeed")
 
 PerGroup = float | Sequence[float]
@@ -72,19 +105,21 @@ def _set_lrs(param_groups: list[dict], lrs: Sequence[Any]) -> list[Any]:
 
 def _warmup_fraction(iteration: int, num_steps: int, warmup_type: str) -> float:
     """How far warmup has progressed at `iteration` (0 at the start, reaching 1 at `num_steps`)."""
-    if warmup_type == "log":
+    if warmup_type == WARMUP_LOG_RATE:
         return math.log(iteration + 1) / math.log(num_steps)
     return iteration / num_steps
 
 
-def _check_warmup(warmup_num_steps: int, warmup_type: str) -> None:
+def _check_warmup(warmup_num_steps: int, warmup_type: str) -> str:
+    """Refuse a warmup length or curve the schedules cannot use; return the curve."""
     if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int):
         raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
     if warmup_num_steps <= 0:
         raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps}")
     # DeepSpeed falls back to "log" with a warning; an unknown type is always a typo, so refuse it.
-    if warmup_type not in ("log", "linear"):
+    if warmup_type not in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
         raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+    return warmup_type
 
 
 class _Schedule:
@@ -142,7 +177,7 @@ class WarmupLR(_Schedule):
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ) -> None:
-        _check_warmup(warmup_num_steps, warmup_type)
+        warmup_type = _check_warmup(warmup_num_steps, warmup_type)
         super().__init__(optimizer, last_batch_iteration)
         groups = self.optimizer.param_groups
         if warmup_max_lr is None:
@@ -222,7 +257,7 @@ class WarmupCosineLR(_Schedule):
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ) -> None:
-        _check_warmup(warmup_num_steps, warmup_type)
+        warmup_type = _check_warmup(warmup_num_steps, warmup_type)
         super().__init__(optimizer, last_batch_iteration)
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = warmup_min_ratio
@@ -383,10 +418,8 @@ class OneCycle(_Schedule):
         factor = 1.0 + self.decay_lr_rate * self._decay_interval()
         return [low / factor for low in self.min_lrs]
 
-    def get_mom(self) -> list[float] | None:
-        """The momentum (betas[0]) of each param group, or None when momentum is not cycled."""
-        if not self.cycle_momentum:
-            return None
+    def _momenta(self) -> list[float]:
+        """The cycled momentum (betas[0] or `momentum`) of each param group at `last_batch_iteration`."""
         if self.last_batch_iteration < self.total_size:
             scale = self._scale_factor()
             return [high - (high - low) * scale for low, high in zip(self.min_moms, self.max_moms)]
@@ -395,12 +428,25 @@ class OneCycle(_Schedule):
         factor = 1.0 + self.decay_mom_rate * self._decay_interval()
         return [high * factor for high in self.max_moms]
 
+    def get_mom(self) -> list[Any] | None:
+        """Each param group's momentum at `last_batch_iteration` in the optimizer's own form: a
+        `(beta0, beta1)` pair for Adam-like groups (as DeepSpeed returns it; beta1 is the group's),
+        a number for SGD-like groups; None when momentum is not cycled."""
+        if not self.cycle_momentum:
+            return None
+        momenta = self._momenta()
+        if self._momentum_key == "betas":
+            return [
+                (momentum, group["betas"][1])
+                for group, momentum in zip(self.optimizer.param_groups, momenta)
+            ]
+        return momenta
+
     def step(self, last_batch_iteration: int | None = None) -> None:
         """Advance one step (or to `last_batch_iteration`) and write the lrs and momenta."""
         super().step(last_batch_iteration)
-        momenta = self.get_mom()
-        if momenta is not None:
-            self._set_momenta(momenta)
+        if self.cycle_momentum:
+            self._set_momenta(self._momenta())
 
 
 class LRRangeTest(_Schedule):

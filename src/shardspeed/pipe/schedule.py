@@ -16,13 +16,17 @@ receiver computes with it) and put its send and its receive in the batches of th
 ranks, so batches that depend on each other are always posted together and no order of waiting
 can deadlock. Hence a receive sits in the batch right before the compute that uses it, and a send
 in the batch where its receiver takes it, which may be a few steps after the producing compute.
+
+DeepSpeed's `TrainSchedule` and `InferenceSchedule` are these lists for one stage, cut into steps
+(`PipeSchedule`): not a second scheduler.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import defaultdict, deque
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 KINDS = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -44,22 +48,37 @@ class Instruction:
 
     def __str__(self) -> str:
         args = ",".join(
-            f"{self._short_names.get(f.name, f.name)}={getattr(self, f.name)}" for f in fields(self)
+            f"{self._short_names.get(f.name, f.name)}={getattr(self, f.name)}"
+            for f in fields(self)
+            if f.compare  # what the step is, not where a DeepSpeed-style engine keeps its data
         )
         return f"{self.tag}({args})" if args else self.tag
 
 
+PipeInstruction = Instruction  # DeepSpeed's name for the base class
+
+
 @dataclass(frozen=True)
-class LoadMicroBatch(Instruction):
+class BufferOpInstruction(Instruction):
+    """A step on one micro-batch's data (DeepSpeed's name: it works on a pipeline buffer).
+
+    `buffer_id` is DeepSpeed's slot for that data, set only in the step view
+    (`TrainSchedule`, `InferenceSchedule`); shardspeed's engine keys its data by micro-batch.
+    """
+
+    micro_batch: int
+    buffer_id: int | None = field(default=None, compare=False, kw_only=True)
+
+
+@dataclass(frozen=True)
+class LoadMicroBatch(BufferOpInstruction):
     """Fetch the inputs (first stage) or labels (last stage) of one micro-batch."""
 
     tag: ClassVar[str] = "Load"
-    micro_batch: int
 
 
 @dataclass(frozen=True)
-class _ChunkStep(Instruction):
-    micro_batch: int
+class _ChunkStep(BufferOpInstruction):
     chunk: int
 
 
@@ -122,14 +141,25 @@ class RecvGrad(_Transfer):
 
 @dataclass(frozen=True)
 class ReduceGrads(Instruction):
-    """All-reduce gradients across data-parallel replicas (and tied weights)."""
+    """Finish averaging the gradients across data-parallel replicas."""
 
     tag: ClassVar[str] = "ReduceGrads"
 
 
 @dataclass(frozen=True)
+class ReduceTiedGrads(Instruction):
+    """Sum the gradients of weights tied across stages. Shardspeed's optimizer does this as the
+    first thing of its step, so the engine's lists have it inside `OptimizerStep`; only the
+    DeepSpeed step view lists it on its own, before `ReduceGrads` as DeepSpeed does (summing
+    over stages and averaging over replicas commute)."""
+
+    tag: ClassVar[str] = "ReduceTiedGrads"
+
+
+@dataclass(frozen=True)
 class OptimizerStep(Instruction):
-    """Apply the optimizer once all micro-batches are done."""
+    """Sum tied weights' gradients across stages, then apply the optimizer, once all
+    micro-batches are done."""
 
     tag: ClassVar[str] = "OptimizerStep"
 
@@ -214,6 +244,12 @@ def train_schedule(
         _check_interleaving(stages, micro_batches, "interleaved_1f1b")
     elif chunks != 1:
         raise ValueError(f"{kind} runs one model chunk per rank (chunks=1), got chunks={chunks}")
+    return _flatten(_train_steps(kind, stages, micro_batches, chunks))
+
+
+def _train_steps(
+    kind: str, stages: int, micro_batches: int, chunks: int
+) -> list[list[list[Instruction]]]:
     layout = _Layout(stages, chunks)
     orders = []
     forwards, backwards = _virtual_order(stages, micro_batches, chunks)
@@ -234,6 +270,10 @@ def inference_schedule(stages: int, micro_batches: int, chunks: int = 1) -> list
     _check_sizes(stages, micro_batches, chunks)
     if chunks > 1:
         _check_interleaving(stages, micro_batches, "an inference schedule with chunks > 1")
+    return _flatten(_inference_steps(stages, micro_batches, chunks))
+
+
+def _inference_steps(stages: int, micro_batches: int, chunks: int) -> list[list[list[Instruction]]]:
     forwards, _ = _virtual_order(stages, micro_batches, chunks)
     return _assemble(_Layout(stages, chunks), [list(forwards) for _ in range(stages)], train=False)
 
@@ -265,12 +305,17 @@ def _one_f_one_b(
 
 def _assemble(
     layout: _Layout, orders: list[list[_ChunkStep]], train: bool
-) -> list[list[Instruction]]:
-    """Add loads and messages to per-rank compute orders (see the module docstring)."""
+) -> list[list[list[Instruction]]]:
+    """Add loads and messages to per-rank compute orders (see the module docstring), cut into
+    steps: step `s` of every rank holds the messages of phase `s`, then the compute of unit-time
+    round `s + 1` with its load. A message sits in the same step on both of its ranks, so a
+    barrier between steps cannot deadlock; the training tail ends the last step."""
     rounds = _rounds(layout, orders)
     round_of = {
         (rank, op): t for rank in range(layout.stages) for op, t in zip(orders[rank], rounds[rank])
     }
+    total = max((t for r in rounds for t in r), default=0)
+    steps: list[list[list[Instruction]]] = [[[] for _ in range(total)] for _ in orders]
     # (phase, 0 for sends / 1 for receives, instruction), sorted below; one receive per phase
     messages: list[list[tuple[int, int, Instruction]]] = [[] for _ in range(layout.stages)]
     for rank in range(layout.stages):
@@ -286,24 +331,23 @@ def _assemble(
                 send, recv = SendGrad, RecvGrad
             messages[rank].append((phase, 0, send(op.micro_batch, op.chunk, peer)))
             messages[peer].append((phase, 1, recv(op.micro_batch, peer_op.chunk, rank)))
-    lists = []
     for rank in range(layout.stages):
-        pending = deque(sorted(messages[rank], key=lambda m: m[:2]))
+        for phase, _, instr in sorted(messages[rank], key=lambda m: m[:2]):
+            steps[rank][phase].append(instr)
         loaded: set[int] = set()
-        out: list[Instruction] = []
         for op, t in zip(orders[rank], rounds[rank]):
-            while pending and pending[0][0] < t:
-                out.append(pending.popleft()[2])
             needs_data = isinstance(op, ForwardPass) and layout.holds_data(rank, op.chunk)
             if needs_data and op.micro_batch not in loaded:
                 loaded.add(op.micro_batch)
-                out.append(LoadMicroBatch(op.micro_batch))
-            out.append(op)
-        out += [m[2] for m in pending]
+                steps[rank][t - 1].append(LoadMicroBatch(op.micro_batch))
+            steps[rank][t - 1].append(op)
         if train:
-            out += [ReduceGrads(), OptimizerStep()]
-        lists.append(out)
-    return lists
+            steps[rank][-1] += [ReduceGrads(), OptimizerStep()]
+    return steps
+
+
+def _flatten(steps: list[list[list[Instruction]]]) -> list[list[Instruction]]:
+    return [[instr for step in rank_steps for instr in step] for rank_steps in steps]
 
 
 def _rounds(layout: _Layout, orders: list[list[_ChunkStep]]) -> list[list[int]]:
@@ -325,6 +369,125 @@ def _rounds(layout: _Layout, orders: list[list[_ChunkStep]]) -> list[list[int]]:
         if not progressed:
             raise ScheduleError(f"bug: the compute orders cannot finish (stuck at step {t})")
     return rounds
+
+
+# DeepSpeed's step view ---------------------------------------------------------------------------
+
+
+class PipeSchedule(ABC):
+    """DeepSpeed's schedule of one stage: iterating it yields steps, each a list of instructions.
+
+    Shardspeed's engine runs the flat lists (`train_schedule`); `TrainSchedule` and
+    `InferenceSchedule` present the same lists for one stage, cut into the steps of the
+    builders' unit-time rounds (see `_assemble`). Every stage has the same number of steps, and
+    the transfers of a step are one batch, posted together, as the engine posts them.
+    """
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int) -> None:
+        _check_sizes(stages, micro_batches, 1)
+        if not isinstance(stage_id, int) or not 0 <= stage_id < stages:
+            raise ValueError(f"stage_id must be an integer in 0..{stages - 1}, got {stage_id!r}")
+        self.micro_batches = micro_batches
+        self.stages = stages
+        self.stage_id = stage_id
+
+    @abstractmethod
+    def steps(self) -> Iterator[list[Instruction]]:
+        """This stage's steps, in order."""
+
+    def __iter__(self) -> Iterator[list[Instruction]]:
+        return self.steps()
+
+    def num_pipe_buffers(self) -> int:
+        """How many micro-batches' data the stage keeps apart (DeepSpeed's buffers)."""
+        return self.micro_batches
+
+    @property
+    def stage(self) -> int:
+        return self.stage_id
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.micro_batches
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.stages - 1
+
+
+class _StepView(PipeSchedule):
+    """One stage's steps of a shardspeed schedule, each buffer op given DeepSpeed's
+    `buffer_id`: its micro-batch modulo `num_pipe_buffers()`."""
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int) -> None:
+        super().__init__(micro_batches, stages, stage_id)
+        plain = self._all_steps()[stage_id]
+        self._buffers = _live_peak(plain)
+        self._steps = [
+            [
+                replace(i, buffer_id=i.micro_batch % self._buffers)
+                if isinstance(i, BufferOpInstruction)
+                else i
+                for i in step
+            ]
+            for step in plain
+        ]
+
+    @abstractmethod
+    def _all_steps(self) -> list[list[list[Instruction]]]:
+        """Every rank's steps: where a step ends depends on the whole pipeline."""
+
+    def steps(self) -> Iterator[list[Instruction]]:
+        for step in self._steps:
+            yield list(step)
+
+    def num_pipe_buffers(self) -> int:
+        """The most micro-batches this stage holds data of at once, each from the first step
+        that touches it to the last. Micro-batches come and go in order, so the micro-batch
+        modulo this number never names a slot still in use."""
+        return self._buffers
+
+
+class TrainSchedule(_StepView):
+    """DeepSpeed's `TrainSchedule`: one stage's steps of shardspeed's 1F1B training schedule.
+
+    Its 2 * (micro_batches + stages - 1) steps each hold at most one forward or backward pass;
+    the last ends with `ReduceTiedGrads`, `ReduceGrads`, `OptimizerStep`.
+    """
+
+    def _all_steps(self) -> list[list[list[Instruction]]]:
+        steps = _train_steps("1f1b", self.stages, self.micro_batches, 1)
+        for rank_steps in steps:
+            last = rank_steps[-1]
+            last.insert(last.index(ReduceGrads()), ReduceTiedGrads())
+        return steps
+
+
+class InferenceSchedule(_StepView):
+    """DeepSpeed's `InferenceSchedule`: one stage's steps of shardspeed's forward-only
+    schedule, micro_batches + stages - 1 of them."""
+
+    def _all_steps(self) -> list[list[list[Instruction]]]:
+        return _inference_steps(self.stages, self.micro_batches, 1)
+
+
+def _live_peak(steps: Sequence[Sequence[Instruction]]) -> int:
+    """The most micro-batches live in one step, each from its first step to its last."""
+    spans: dict[int, tuple[int, int]] = {}
+    for s, step in enumerate(steps):
+        for instr in step:
+            if isinstance(instr, BufferOpInstruction):
+                spans[instr.micro_batch] = (spans.get(instr.micro_batch, (s, s))[0], s)
+    live = [sum(a <= s <= b for a, b in spans.values()) for s in range(len(steps))]
+    return max(live, default=0) or 1
 
 
 # Checking ---------------------------------------------------------------------------------------

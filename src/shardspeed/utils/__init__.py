@@ -13,6 +13,8 @@ from typing import Any
 from .z3_leaf_module import (
     get_z3_leaf_modules,
     set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
     unset_z3_leaf_modules,
     z3_leaf_module,
 )
@@ -25,6 +27,7 @@ logger = logging.getLogger("shardspeed")
 _LAZY: dict[str, tuple[str, str | None]] = {
     "groups": ("shardspeed.comm.groups", None),
     "RepeatingLoader": ("shardspeed.runtime.dataloader", "RepeatingLoader"),
+    "OnDevice": ("shardspeed.utils.init_on_device", "OnDevice"),
 }
 _ACCESSORS = "shardspeed.zero.tensor_fragment"
 
@@ -34,6 +37,8 @@ __all__ = [
     "logger",
     "set_log_level_from_string",
     "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
     "unset_z3_leaf_modules",
     "z3_leaf_module",
 ]
@@ -55,7 +60,9 @@ def set_log_level_from_string(level: str, custom_logger: logging.Logger | None =
     """Set `custom_logger` (default: shardspeed's) and its handlers to `level` ("info", "debug", ...)."""
     number = logging.getLevelName(level.upper())
     if not isinstance(number, int):
-        raise ValueError(f"unknown log level {level!r}: use debug, info, warning, error or critical")
+        raise ValueError(
+            f"unknown log level {level!r}: use debug, info, warning, error or critical"
+        )
     target = logger if custom_logger is None else custom_logger
     target.setLevel(number)
     for handler in target.handlers:

@@ -10,6 +10,9 @@ and as a command, like DeepSpeed's script:
 
     python -m shardspeed.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR [--tag T] [--max_shard_size S]
 
+`get_optim_files` and `get_model_state_files` list a DeepSpeed tag directory's `.pt` files in rank
+order, as DeepSpeed's do (shardspeed reads those files in `shardspeed.checkpoint.deepspeed`).
+
 Differences: any shardspeed checkpoint works (every ZeRO stage, any world size, nothing
 unpickled); output files are always safetensors (shardspeed writes no pickles), whatever
 `safe_serialization` says; `lazy_mode=True` returns `LazyTensor`s that read their bytes on
@@ -33,7 +36,20 @@ from ..checkpoint.consolidate import (
     lazy_state_dict,
     materialize,
 )
+from ..checkpoint.deepspeed import get_checkpoint_files, get_model_state_files, get_optim_files
 from ..checkpoint.format import CheckpointError
+
+__all__ = [
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "convert_zero_checkpoint_to_state_dict",
+    "get_checkpoint_files",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "get_model_state_files",
+    "get_optim_files",
+    "load_state_dict_from_zero_checkpoint",
+    "main",
+    "to_torch_tensor",
+]
 
 logger = logging.getLogger("shardspeed")
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -80,6 +81,9 @@ class Init:
         init_distributed()
         self.group = mpu.get_data_parallel_group() if mpu is not None else data_parallel_group
         self.world = dist.get_world_size(self.group)
+        problem = single_rank_group_problem(self.world, self.group, os.environ)
+        if problem is not None:
+            raise RuntimeError(problem)
         self.rank = dist.get_rank(self.group)
         self.root = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         if module is not None:
@@ -141,6 +145,27 @@ def _keep_slice(p: torch.Tensor, whole: torch.Tensor) -> None:
     p.ds_tensor = padded[rank * chunk : (rank + 1) * chunk].clone()
     p.data = torch.empty(0, dtype=whole.dtype, device=whole.device)
     p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def single_rank_group_problem(
+    world: int, explicit_group: Any, environ: Mapping[str, str | None]
+) -> str | None:
+    """Why zero.Init must not go on, or None: the launcher started several processes
+    (`WORLD_SIZE` > 1) but the default process group has one rank, so every rank would build the
+    whole model instead of its slice. A group the caller passed is taken as meant."""
+    try:
+        launched = int(environ.get("WORLD_SIZE") or 1)
+    except ValueError:
+        return None
+    if explicit_group is not None or world != 1 or launched <= 1:
+        return None
+    return (
+        f"zero.Init found a process group of one rank, but the launcher started WORLD_SIZE="
+        f"{launched} processes: a single-process group was created before shardspeed's "
+        "(for example by from_pretrained before init_distributed). Call "
+        "shardspeed.init_distributed() (or torch.distributed.init_process_group with the "
+        "launcher's world) before building the model, or pass data_parallel_group= to zero.Init"
+    )
 
 
 def _group_world_rank(group: Any) -> tuple[int, int]:

@@ -154,6 +154,7 @@ class ZeroOptimizer:
         offloads_params = offload is not None and offload.param_device != "none"
         keep = dp_world_size > 1 or (stage == 3 and offloads_params)
         self.stage = stage if keep else min(stage, 1)
+        self.configured_stage = stage
         self.loss_scaler = loss_scaler or StaticLossScaler(1.0)
         self.gradient_clipping = gradient_clipping
         self.skip_nonfinite = skip_nonfinite
@@ -284,6 +285,7 @@ class ZeroOptimizer:
         # Gradients accumulate in fp32 unless the model is fp16 (DeepSpeed keeps fp16 gradients),
         # or in what `data_types.grad_accum_dtype` says.
         default_grad_dtype = torch.float16 if model_dtype == torch.float16 else torch.float32
+        self.model_dtype = model_dtype
         self.grad_dtype = grad_dtype or default_grad_dtype
         self._grads_alias_params = self.grad_dtype == model_dtype
         self.grad_flat: torch.Tensor | None = None
@@ -1084,3 +1086,35 @@ def _communicates_itself(optimizer: torch.optim.Optimizer) -> bool:
 
 def _group_rank_to_global(group: Any, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def deepspeed_wrapper(optimizer: ZeroOptimizer) -> str | None:
+    """The optimizer wrapper DeepSpeed 0.19.8 builds for this stage and precision (None: it keeps
+    the torch optimizer unwrapped), where shardspeed builds a ZeroOptimizer for all of them."""
+    stage = optimizer.configured_stage
+    model, grads = optimizer.model_dtype, optimizer.grad_dtype
+    bf16_with_fp32_grads = model == torch.bfloat16 and grads == torch.float32
+    if bf16_with_fp32_grads and (stage == 0 or (stage == 1 and not optimizer.offload.enabled)):
+        return "BF16_Optimizer"
+    if stage == 3:
+        return "DeepSpeedZeroOptimizer_Stage3"
+    if stage >= 1:
+        return "DeepSpeedZeroOptimizer"
+    if model == torch.float32:
+        return None
+    fused = type(optimizer.optimizer).__name__ == "FusedAdam"
+    return "FP16_Optimizer" if fused else "FP16_UnfusedOptimizer"
+
+
+class DeepSpeedWrapperClass(type):
+    """The metaclass of DeepSpeed's optimizer wrapper names (`DeepSpeedZeroOptimizer`, ...): an
+    instance is a ZeroOptimizer for which DeepSpeed would have built that wrapper."""
+
+    def __instancecheck__(cls, instance: object) -> bool:
+        return isinstance(instance, ZeroOptimizer) and deepspeed_wrapper(instance) == cls.__name__
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"{cls.__name__} is DeepSpeed's name for the optimizer that initialize() builds; "
+            "shardspeed builds it as a ZeroOptimizer: call initialize() and use engine.optimizer"
+        )

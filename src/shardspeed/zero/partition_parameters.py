@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..accelerator import get_accelerator
-from .init import Init, ZeroParamStatus
+from .init import Init, ZeroParamStatus, single_rank_group_problem
 from .partitioned import (
     GatheredParameters,
     register_external_parameter,
@@ -33,6 +33,14 @@ __all__ = [
     "unregister_external_parameter",
     "zero_wrapper_for_fp_tensor_constructor",
 ]
+
+
+def _contradicting_single_rank_pg_error(
+    dp_world_size: int, explicit_process_group: Any, env: dict[str, str | None]
+) -> str | None:
+    """DeepSpeed's private name for the check `zero.Init` makes on its process group."""
+    return single_rank_group_problem(dp_world_size, explicit_process_group, env)
+
 
 # The constructors as torch defines them (DeepSpeed keeps these before patching any).
 _orig_torch_tensor = torch.tensor

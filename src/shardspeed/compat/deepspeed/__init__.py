@@ -7,4 +7,8 @@ adapter over the rooms: no algorithm lives in this package. A package here whose
 package has and the room's lacks, which the alias adds to the room's module when it is imported.
 """
 
-__all__: list[str] = []
+from .git_version_info import git_branch as __git_branch__
+from .git_version_info import git_hash as __git_hash__
+from .runtime.config import DeepSpeedConfig
+
+__all__ = ["DeepSpeedConfig", "__git_branch__", "__git_hash__"]

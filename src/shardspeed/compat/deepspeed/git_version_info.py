@@ -14,4 +14,10 @@ git_branch = "[none]"
 installed_ops = dict.fromkeys(ALL_OPS, False)
 compatible_ops = {name: builder.is_compatible() for name, builder in ALL_OPS.items()}
 accelerator_name = ""
-torch_info = {"version": "0.0", "bf16_support": False, "cuda_version": "0.0", "nccl_version": "0.0", "hip_version": "0.0"}
+torch_info = {
+    "version": "0.0",
+    "bf16_support": False,
+    "cuda_version": "0.0",
+    "nccl_version": "0.0",
+    "hip_version": "0.0",
+}

@@ -31,7 +31,9 @@ class OpBuilder:
         raise RuntimeError(f"shardspeed builds no compiled ops; {self._availability()}")
 
     def load(self, verbose: bool = True) -> Any:
-        raise RuntimeError(f"the '{self.name}' op has no compiled kernel in shardspeed: {self._availability()}")
+        raise RuntimeError(
+            f"the '{self.name}' op has no compiled kernel in shardspeed: {self._availability()}"
+        )
 
     def jit_load(self, verbose: bool = True) -> Any:
         return self.load(verbose)
@@ -55,7 +57,9 @@ class OpBuilder:
 
 
 def _builder(class_name: str, name: str, provided_by: str = "") -> type[OpBuilder]:
-    return type(class_name, (OpBuilder,), {"NAME": name, "PROVIDED_BY": provided_by, "__module__": __name__})
+    return type(
+        class_name, (OpBuilder,), {"NAME": name, "PROVIDED_BY": provided_by, "__module__": __name__}
+    )
 
 
 class UtilsBuilder(OpBuilder):
@@ -71,12 +75,16 @@ class UtilsBuilder(OpBuilder):
 
 
 CPUAdamBuilder = _builder("CPUAdamBuilder", "cpu_adam", "deepspeed.ops.adam.DeepSpeedCPUAdam")
-CPUAdagradBuilder = _builder("CPUAdagradBuilder", "cpu_adagrad", "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad")
+CPUAdagradBuilder = _builder(
+    "CPUAdagradBuilder", "cpu_adagrad", "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad"
+)
 CPULionBuilder = _builder("CPULionBuilder", "cpu_lion", "deepspeed.ops.lion.DeepSpeedCPULion")
 FusedAdamBuilder = _builder("FusedAdamBuilder", "fused_adam", "deepspeed.ops.adam.FusedAdam")
 FusedLambBuilder = _builder("FusedLambBuilder", "fused_lamb", "deepspeed.ops.lamb.FusedLamb")
 FusedLionBuilder = _builder("FusedLionBuilder", "fused_lion", "deepspeed.ops.lion.FusedLion")
-AsyncIOBuilder = _builder("AsyncIOBuilder", "async_io", "the NVMe offload of shardspeed.zero.swap (a thread pool)")
+AsyncIOBuilder = _builder(
+    "AsyncIOBuilder", "async_io", "the NVMe offload of shardspeed.zero.swap (a thread pool)"
+)
 NotImplementedBuilder = _builder("NotImplementedBuilder", "deepspeed_not_implemented")
 # DeepSpeed's kernels that shardspeed does not have.
 CCLCommBuilder = _builder("CCLCommBuilder", "deepspeed_ccl_comm")
@@ -102,11 +110,32 @@ TransformerBuilder = _builder("TransformerBuilder", "transformer")
 ALL_OPS: dict[str, OpBuilder] = {
     builder.NAME: builder()
     for builder in (
-        NotImplementedBuilder, AsyncIOBuilder, CCLCommBuilder, ShareMemCommBuilder, CPUAdagradBuilder,
-        CPUAdamBuilder, CPULionBuilder, FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder,
-        PinMemoryBuilder, UtilsBuilder, DeepCompileBuilder, EvoformerAttnBuilder, FPQuantizerBuilder,
-        FlashAttentionBuilder, GDSBuilder, InferenceBuilder, InferenceCoreBuilder,
-        InferenceCutlassBuilder, QuantizerBuilder, RaggedOpsBuilder, RaggedUtilsBuilder,
-        RandomLTDBuilder, SpatialInferenceBuilder, StochasticTransformerBuilder, TransformerBuilder,
+        NotImplementedBuilder,
+        AsyncIOBuilder,
+        CCLCommBuilder,
+        ShareMemCommBuilder,
+        CPUAdagradBuilder,
+        CPUAdamBuilder,
+        CPULionBuilder,
+        FusedAdamBuilder,
+        FusedLambBuilder,
+        FusedLionBuilder,
+        PinMemoryBuilder,
+        UtilsBuilder,
+        DeepCompileBuilder,
+        EvoformerAttnBuilder,
+        FPQuantizerBuilder,
+        FlashAttentionBuilder,
+        GDSBuilder,
+        InferenceBuilder,
+        InferenceCoreBuilder,
+        InferenceCutlassBuilder,
+        QuantizerBuilder,
+        RaggedOpsBuilder,
+        RaggedUtilsBuilder,
+        RandomLTDBuilder,
+        SpatialInferenceBuilder,
+        StochasticTransformerBuilder,
+        TransformerBuilder,
     )
 }

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from shardspeed.config import ConfigError, ShardSpeedConfig, load_config, resolve_batch
 from shardspeed.config.loader import read_config_source
 
-from .constants import GRADIENT_CLIPPING_DEFAULT  # noqa: F401
+from .constants import GRADIENT_CLIPPING_DEFAULT
 
 # DeepSpeed's optimizer type names (config "type", compared lower-case).
 ADAM_OPTIMIZER = "adam"
@@ -30,9 +30,18 @@ MUADAMW_OPTIMIZER = "muadamw"
 MUSGD_OPTIMIZER = "musgd"
 MUON_OPTIMIZER = "muon"
 DEEPSPEED_OPTIMIZERS = [
-    ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER,
-    ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, LION_OPTIMIZER, MUADAM_OPTIMIZER,
-    MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER, MUON_OPTIMIZER,
+    ADAGRAD_OPTIMIZER,
+    ADAM_OPTIMIZER,
+    ADAMW_OPTIMIZER,
+    LAMB_OPTIMIZER,
+    ONEBIT_ADAM_OPTIMIZER,
+    ONEBIT_LAMB_OPTIMIZER,
+    ZERO_ONE_ADAM_OPTIMIZER,
+    LION_OPTIMIZER,
+    MUADAM_OPTIMIZER,
+    MUADAMW_OPTIMIZER,
+    MUSGD_OPTIMIZER,
+    MUON_OPTIMIZER,
 ]
 
 
@@ -82,7 +91,11 @@ class DeepSpeedConfig:
             )
         except ConfigError as error:
             raise AssertionError(str(error)) from None
-        (self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps) = triple
+        (
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+        ) = triple
 
     @property
     def zero_config(self) -> Any:

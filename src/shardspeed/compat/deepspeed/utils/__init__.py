@@ -1,5 +1,3 @@
-"""Names DeepSpeed's `deepspeed.utils` has beyond shardspeed.utils."""
+"""Modules of DeepSpeed's `deepspeed.utils` that shardspeed.utils has no module for."""
 
-from .init_on_device import OnDevice
-
-__all__ = ["OnDevice"]
+__all__: list[str] = []

@@ -13,5 +13,5 @@ def trim_mean(data: Sequence[float], trim_percent: float) -> float:
     if not data:
         return 0
     ordered = sorted(data)
-    cut = int(round(len(ordered) * trim_percent))
+    cut = round(len(ordered) * trim_percent)
     return mean(ordered[cut : len(ordered) - cut])

@@ -9,7 +9,9 @@ import torch
 from packaging import version
 
 
-def required_torch_version(min_version: float | str | None = None, max_version: float | str | None = None) -> bool:
+def required_torch_version(
+    min_version: float | str | None = None, max_version: float | str | None = None
+) -> bool:
     """Whether the running torch is at least `min_version` and at most `max_version`."""
     if min_version is None and max_version is None:
         raise ValueError("required_torch_version needs min_version or max_version")

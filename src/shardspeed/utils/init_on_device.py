@@ -14,7 +14,9 @@ class OnDevice:
     inside take `dtype` through the default dtype.
     """
 
-    def __init__(self, dtype: torch.dtype, device: str | torch.device = "meta", enabled: bool = True) -> None:
+    def __init__(
+        self, dtype: torch.dtype, device: str | torch.device = "meta", enabled: bool = True
+    ) -> None:
         self.dtype = dtype
         self.device = device
         self.enabled = enabled
@@ -31,7 +33,10 @@ class OnDevice:
         self._device_context.__enter__()
 
     def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
     ) -> None:
         if not self.enabled or self._device_context is None:
             return

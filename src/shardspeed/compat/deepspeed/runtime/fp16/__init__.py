@@ -1,0 +1,3 @@
+"""DeepSpeed's `deepspeed.runtime.fp16`: its 16-bit optimizer wrapper names and loss scalers."""
+
+__all__: list[str] = []
