@@ -65,7 +65,7 @@ class Init:
                 "starts, set 'zero_optimization.offload_param.device' in the config"
             )
         source = config_dict_or_path if config_dict_or_path is not None else config
-        if source is not None:
+        if source is not None and enabled:
             from ..config import read_config_source
 
             stage = read_config_source(source).get("zero_optimization", {}).get("stage", 0)

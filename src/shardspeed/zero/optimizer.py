@@ -287,6 +287,7 @@ class ZeroOptimizer:
         default_grad_dtype = torch.float16 if model_dtype == torch.float16 else torch.float32
         self.model_dtype = model_dtype
         self.grad_dtype = grad_dtype or default_grad_dtype
+        self.requested_grad_dtype = grad_dtype
         self._grads_alias_params = self.grad_dtype == model_dtype
         self.grad_flat: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -1092,7 +1093,9 @@ def deepspeed_wrapper(optimizer: ZeroOptimizer) -> str | None:
     """The optimizer wrapper DeepSpeed 0.19.8 builds for this stage and precision (None: it keeps
     the torch optimizer unwrapped), where shardspeed builds a ZeroOptimizer for all of them."""
     stage = optimizer.configured_stage
-    model, grads = optimizer.model_dtype, optimizer.grad_dtype
+    # DeepSpeed accumulates in the model's dtype unless `data_types.grad_accum_dtype` says otherwise.
+    model = optimizer.model_dtype
+    grads = optimizer.requested_grad_dtype or model
     bf16_with_fp32_grads = model == torch.bfloat16 and grads == torch.float32
     if bf16_with_fp32_grads and (stage == 0 or (stage == 1 and not optimizer.offload.enabled)):
         return "BF16_Optimizer"
