@@ -233,3 +233,11 @@ def test_steps_debug_callers_verbose_lines_and_straggler_breakdown(pool2):
             assert "msg size: 32 B | group: 2 |" in out["seen"][0]
         else:
             assert out["seen"] == []
+
+
+def test_profiling_comms_switches_prof_all():
+    logger = comm.CommsLogger()
+    logger.stop_profiling_comms()
+    assert logger.prof_all is False and logger.start("all_reduce", 8, None) is None
+    logger.start_profiling_comms()
+    assert logger.prof_all is True

@@ -215,3 +215,34 @@ def test_wrapper_names_are_not_constructible() -> None:
 
     with pytest.raises(TypeError, match="initialize"):
         DeepSpeedZeroOptimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1))
+
+
+class _Rotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+        self.register_buffer("inv_freq", torch.full((4,), 1.0 / 3.0))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.proj(x) * self.inv_freq.to(x.dtype), y)
+
+
+@pytest.mark.parametrize("buffer_dtype", [None, "bf16"])
+def test_bf16_casts_parameters_and_keeps_buffers(buffer_dtype: str | None) -> None:
+    from shardspeed.runtime.api import initialize
+
+    extra = {"bf16": {"enabled": True}, "data_types": {"param_dtype": "bf16"}}
+    if buffer_dtype:
+        extra["data_types"]["buffer_dtype"] = buffer_dtype
+    engine, _, _, _ = initialize(model=_Rotary(), config=config(GLOBAL_BATCH, **extra))
+    assert engine.module.proj.weight.dtype == torch.bfloat16
+    expected = torch.bfloat16 if buffer_dtype else torch.float32
+    assert engine.module.inv_freq.dtype == expected
+
+
+def test_param_dtype_must_match_the_precision() -> None:
+    from shardspeed.runtime.api import initialize
+
+    extra = {"bf16": {"enabled": True}, "data_types": {"param_dtype": "fp16"}}
+    with pytest.raises(ConfigError, match=r"data_types\.param_dtype"):
+        initialize(model=_Rotary(), config=config(GLOBAL_BATCH, **extra))

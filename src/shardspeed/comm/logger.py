@@ -101,6 +101,14 @@ class CommsLogger:
         self.prof_all = config.prof_all
         self.prof_ops = frozenset(config.prof_ops)
 
+    def start_profiling_comms(self) -> None:
+        """Time every collective from now on (`prof_all`), not only those `prof_ops` names."""
+        self.prof_all = True
+
+    def stop_profiling_comms(self) -> None:
+        """Time only the collectives `prof_ops` names from now on."""
+        self.prof_all = False
+
     def start(self, op: str, nbytes: int, group: Any) -> _Pending | None:
         """Begin timing `op`, or None when `prof_all` is off and `prof_ops` does not name it."""
         if not (self.prof_all or op in self.prof_ops):

@@ -364,6 +364,13 @@ def _cross_section(config: ShardSpeedConfig) -> list[str]:
     problems = []
     if config.fp16.enabled and config.bf16.enabled:
         problems.append("'fp16.enabled' and 'bf16.enabled' are both true: choose one precision")
+    param_dtype = config.data_types.param_dtype
+    if param_dtype is not None and param_dtype != config.precision:
+        problems.append(
+            f"'data_types.param_dtype' is {param_dtype!r} but the config trains in "
+            f"{config.precision!r} (set by 'fp16.enabled' / 'bf16.enabled'): make them agree or "
+            "remove 'data_types.param_dtype'"
+        )
     stage = config.zero_optimization.stage
     for path, stages in STAGE_ONLY_KEYS.items():
         *parent, name = path.split(".")

@@ -620,9 +620,13 @@ class CompileConfig(StrictModel):
 
 class DataTypesConfig(StrictModel):
     """`data_types`: `grad_accum_dtype` is the dtype gradients accumulate in (default: fp32 for
-    fp32 and bf16 models, fp16 for fp16 models)."""
+    fp32 and bf16 models, fp16 for fp16 models). `param_dtype`, if written, must be the dtype that
+    `fp16` / `bf16` give the parameters. Buffers (rotary `inv_freq`, norms' running statistics)
+    keep the dtype they were built with unless `buffer_dtype` names one, as in DeepSpeed."""
 
     grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    param_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    buffer_dtype: Literal["fp32", "fp16", "bf16"] | None = None
 
 
 class ShardSpeedConfig(StrictModel):

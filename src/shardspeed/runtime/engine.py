@@ -134,8 +134,7 @@ class ShardSpeedEngine(nn.Module):
 
         self.dtype = _DTYPES[config.precision]
         model.to(device=self.device)
-        if self.dtype != torch.float32:
-            model.to(dtype=self.dtype)
+        _cast_module(model, self.dtype, _DTYPES.get(config.data_types.buffer_dtype))
         self.module = model
         self.moe_layers = self._connect_experts()
         self.expert_tensor_names = self._name_expert_tensors()
@@ -1040,6 +1039,23 @@ def offload_options(config: ShardSpeedConfig) -> OffloadOptions:
             overlap_events=aio.overlap_events,
         ),
     )
+
+
+def _cast_module(
+    model: nn.Module, param_dtype: torch.dtype, buffer_dtype: torch.dtype | None
+) -> None:
+    """Give the floating-point parameters `param_dtype`; buffers keep theirs unless `buffer_dtype`
+    is set (an fp32 rotary `inv_freq` stays fp32 in a bf16 model, as DeepSpeed keeps it)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != param_dtype:
+                p.data = p.data.to(param_dtype)
+        if buffer_dtype is None:
+            return
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.is_floating_point():
+                    setattr(module, name, buffer.to(buffer_dtype))
 
 
 def stage3_options(zero: Any) -> Stage3Options:
