@@ -273,6 +273,13 @@ def test_unused_parameters_refused_when_asked(pool2):
         pool2.run(train_awkward, 2, False)
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_unused_parameters_refused_on_one_rank(stage):
+    # One rank has no gradient reducer to notice; the check must not depend on it.
+    with pytest.raises(RuntimeError, match=r"parameters received no gradient: unused\.bias"):
+        train_awkward(stage, False)
+
+
 def no_sync_stage2() -> str:
     model = make_model()
     engine, *_ = shardspeed.initialize(model=model, config={**config(4), **zero(2)})

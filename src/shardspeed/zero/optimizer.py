@@ -331,6 +331,13 @@ class ZeroOptimizer:
         # Stages 2 and 3 take gradients through the reducer's buckets even on one rank.
         sharded_grads = dp_world_size > 1 or self.stage >= 2
         self.reducer = self._build_reducer(reduce, device) if sharded_grads else None
+        # Without a reducer nothing else sees which parameters got a gradient; only track it when
+        # the config asks for unused parameters to be an error.
+        self._got_grad: list[bool] | None = (
+            [False] * len(self.params)
+            if self.reducer is None and not ignore_unused_parameters
+            else None
+        )
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self.params)
@@ -540,6 +547,8 @@ class ZeroOptimizer:
                 param.grad = view if zopt._grads_alias_params else None
             if zopt.reducer is not None:
                 zopt.reducer.mark_ready(index)
+            elif zopt._got_grad is not None:
+                zopt._got_grad[index] = True
 
         return hook
 
@@ -567,6 +576,8 @@ class ZeroOptimizer:
         if self.reducer is not None:
             self.reducer.reset(segment)
             self.reducer.active = reduce_gradients or self.stage >= 2
+        elif self._got_grad is not None:
+            self._got_grad = [False] * len(self.params)
         if self.sharded_params is not None:
             self.sharded_params.start_backward_accounting()
 
@@ -574,9 +585,12 @@ class ZeroOptimizer:
         """Complete the averaging that backward started (idempotent)."""
         if self.sharded_params is not None:
             self.sharded_params.release_all()  # units whose parameters got no gradient
-        if self.reducer is None:
+        if self.reducer is not None:
+            unused = self.reducer.finish()
+        elif self._got_grad is not None:
+            unused = [i for i, seen in enumerate(self._got_grad) if not seen]
+        else:
             return
-        unused = self.reducer.finish()
         if unused and not self.ignore_unused_parameters:
             names = ", ".join(self.param_names[i] for i in unused[:5])
             raise RuntimeError(

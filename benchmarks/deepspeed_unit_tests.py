@@ -1,0 +1,173 @@
+"""DeepSpeed's own unit tests under the deepspeed alias, against DeepSpeed itself, in one run.
+
+DeepSpeed's `tests/unit` (from a checkout of its repository; CI has none) is collected under
+DeepSpeed, a deterministic sample of the test ids is taken (md5 of the id, modulo `--every`), and
+the sample runs twice: under DeepSpeed (`--ds-python`, a venv with `deepspeed==0.19.8`) and under
+shardspeed's alias (`--ss-python`, with SHARDSPEED_AS_DEEPSPEED=1). The figure is the share of
+the tests that pass under DeepSpeed that also pass under the alias; the per-file table and each
+failure's first error line go to stdout (and `--write` adds them to BENCHMARKS.md).
+
+    .venv/bin/python benchmarks/deepspeed_unit_tests.py --tests /path/to/DeepSpeed/tests \
+        --ds-python /path/to/dsvenv/bin/python --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+# What the measurement covers: config, initialize, LR schedules, launcher, utils, comm, monitor,
+# pipe, checkpoint, half precision, MoE, ZeRO and zero.Init.
+SCOPE = (
+    "unit/runtime/test_ds_config_dict.py",
+    "unit/runtime/test_ds_config_model.py",
+    "unit/runtime/test_ds_initialize.py",
+    "unit/runtime/test_lr_schedulers.py",
+    "unit/launcher",
+    "unit/utils",
+    "unit/comm",
+    "unit/monitor",
+    "unit/pipe",
+    "unit/runtime/pipe",
+    "unit/checkpoint",
+    "unit/runtime/half_precision",
+    "unit/v1/half_precision",
+    "unit/v1/moe",
+    "unit/runtime/zero",
+    "unit/v1/zero",
+)
+
+# A pytest plugin that keeps exactly the ids in $ONLY_IDS (naming ids on the command line would
+# stop the whole run at the first file that cannot be imported) and writes each one's outcome.
+_PLUGIN = """
+import os
+
+def _id(item_or_report):
+    return item_or_report.nodeid.removeprefix("tests/")
+
+def pytest_collection_modifyitems(config, items):
+    if "DUMP_IDS" in os.environ:
+        with open(os.environ["DUMP_IDS"], "w") as out:
+            out.writelines(f"tests/{_id(i)}\\n" for i in items)
+        config.hook.pytest_deselected(items=list(items))
+        items[:] = []
+        return
+    wanted = {i.removeprefix("tests/") for i in open(os.environ["ONLY_IDS"]).read().split()}
+    config.hook.pytest_deselected(items=[i for i in items if _id(i) not in wanted])
+    items[:] = [i for i in items if _id(i) in wanted]
+
+def pytest_runtest_logreport(report):
+    failed_setup = report.when == "setup" and report.failed
+    if report.when == "call" or report.skipped or report.failed:
+        outcome = "error" if failed_setup else report.outcome
+        with open(os.environ["ONLY_IDS"] + ".out", "a") as out:
+            out.write(f"tests/{_id(report)} {outcome}\\n")
+"""
+
+
+def _pytest(
+    python: str, tests: Path, extra_env: dict[str, str], args: list[str], timeout: float = 3600
+) -> str:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", **extra_env}
+    try:
+        done = subprocess.run(
+            [python, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", *args],
+            cwd=tests.parent,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as expired:
+        return expired.stdout.decode() if isinstance(expired.stdout, bytes) else ""
+    return done.stdout
+
+
+def collect(python: str, tests: Path, work: Path) -> list[str]:
+    """Every test id in the scope, as DeepSpeed's own install collects them."""
+    (work / "only_ids.py").write_text(_PLUGIN)
+    dump = work / "collected.ids"
+    env = {"DUMP_IDS": str(dump), "PYTHONPATH": str(work)}
+    scope = [f"tests/{s}" for s in SCOPE]
+    _pytest(python, tests, env, ["-p", "only_ids", "-q", "--continue-on-collection-errors", *scope])
+    return sorted(set(dump.read_text().split())) if dump.exists() else []
+
+
+def sample(ids: list[str], every: int) -> list[str]:
+    return [i for i in ids if int(hashlib.md5(i.encode()).hexdigest(), 16) % every == 0]
+
+
+def run(python: str, tests: Path, ids: list[str], alias: bool, work: Path) -> dict[str, str]:
+    """Outcome per id: passed, failed, skipped, or error (not importable, or failed in setup)."""
+    name = "alias" if alias else "deepspeed"
+    listing = work / f"{name}.ids"
+    listing.write_text("\n".join(ids) + "\n")
+    env = {"ONLY_IDS": str(listing), "PYTHONPATH": str(work)}
+    if alias:
+        env["SHARDSPEED_AS_DEEPSPEED"] = "1"
+    # One pytest per file, each bounded: DeepSpeed's harness can hang in its process pool when a
+    # test fails in a way the pool cannot report; that file's remaining tests then count as errors.
+    for path in sorted({i.split("::")[0] for i in ids}):
+        _pytest(python, tests, env, ["-p", "only_ids", "--timeout", "180", "-q", path], 900)
+    outcome = dict.fromkeys(ids, "error")
+    results = Path(f"{listing}.out")
+    # Later reports of one test overwrite earlier ones, so a failing teardown counts as failed.
+    for line in results.read_text().splitlines() if results.exists() else []:
+        test_id, result = line.rsplit(" ", 1)
+        if test_id in outcome and outcome[test_id] in ("error", "passed"):
+            outcome[test_id] = result
+    return outcome
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tests", type=Path, required=True, help="DeepSpeed's tests/ directory")
+    parser.add_argument("--ds-python", required=True, help="python of a venv with deepspeed 0.19.8")
+    parser.add_argument("--ss-python", default=sys.executable, help="python with shardspeed")
+    parser.add_argument("--every", type=int, default=10, help="sample one id in N (default 10)")
+    parser.add_argument("--write", action="store_true", help="append the report to BENCHMARKS.md")
+    args = parser.parse_args()
+    tests = args.tests.resolve()
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        ids = collect(args.ds_python, tests, Path(tmp))
+        chosen = sample(ids, args.every)
+        reference = run(args.ds_python, tests, chosen, alias=False, work=Path(tmp))
+        ours = run(args.ss_python, tests, chosen, alias=True, work=Path(tmp))
+    passing = [i for i in chosen if reference[i] == "passed"]
+    kept = [i for i in passing if ours[i] == "passed"]
+    lines = [
+        f"Collected under DeepSpeed: {len(ids)} tests; sample (1 in {args.every}): {len(chosen)}; "
+        f"under DeepSpeed 0.19.8: {dict(Counter(reference.values()))}; under the alias: "
+        f"{dict(Counter(ours.values()))}.",
+        "",
+        f"**{len(kept)} of the {len(passing)} sampled tests that pass under DeepSpeed pass under "
+        f"the alias ({100 * len(kept) / max(len(passing), 1):.0f}%).** Run time "
+        f"{time.time() - started:.0f}s.",
+        "",
+        "| file | pass under DeepSpeed | of those, pass under the alias |",
+        "|---|---:|---:|",
+    ]
+    by_file = Counter(i.split("::")[0] for i in passing)
+    kept_by_file = Counter(i.split("::")[0] for i in kept)
+    for path, count in sorted(by_file.items()):
+        lines.append(f"| `{path.removeprefix('tests/unit/')}` | {count} | {kept_by_file[path]} |")
+    lines += ["", "Passing under DeepSpeed, not under the alias:", ""]
+    lines += [f"- `{i.removeprefix('tests/unit/')}`: {ours[i]}" for i in passing if i not in kept]
+    report = "\n".join(lines)
+    print(report)
+    if args.write:
+        with open(Path(__file__).resolve().parents[1] / "BENCHMARKS.md", "a") as page:
+            page.write("\n" + report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
