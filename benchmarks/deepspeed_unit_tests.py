@@ -164,8 +164,15 @@ def main() -> int:
     report = "\n".join(lines)
     print(report)
     if args.write:
+        heading = [
+            "## DeepSpeed's unit tests under the alias",
+            "",
+            f"Date: {time.strftime('%Y-%m-%d')}. Tests: {tests} (DeepSpeed's repository). "
+            f"Command: `{' '.join(sys.argv)}`.",
+            "",
+        ]
         with open(Path(__file__).resolve().parents[1] / "BENCHMARKS.md", "a") as page:
-            page.write("\n" + report + "\n")
+            page.write("\n" + "\n".join(heading) + report + "\n")
     return 0
 
 
