@@ -241,3 +241,13 @@ def test_profiling_comms_switches_prof_all():
     assert logger.prof_all is False and logger.start("all_reduce", 8, None) is None
     logger.start_profiling_comms()
     assert logger.prof_all is True
+
+
+def _inference_sum() -> list[float]:
+    x = torch.full((3,), float(comm.get_rank() + 1), dtype=torch.bfloat16)
+    comm.inference_all_reduce(x)
+    return x.tolist()
+
+
+def test_inference_all_reduce_sums_over_ranks(pool2):
+    assert pool2.run(_inference_sum) == [[3.0, 3.0, 3.0]] * 2

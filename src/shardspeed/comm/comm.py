@@ -393,6 +393,12 @@ def all_reduce(
     return _run("all_reduce", group, async_op, dist.all_reduce, tensor, op=op, nbytes=nbytes)
 
 
+def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None) -> None:
+    """DeepSpeed's blocking all-reduce for inference code (tensor-parallel outputs); the same
+    counted all-reduce as training's, since torch's collectives serve both."""
+    all_reduce(tensor, op=op, group=group)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
     nbytes = _count("broadcast", tensor)
     return _run("broadcast", group, async_op, dist.broadcast, tensor, src=src, nbytes=nbytes)
