@@ -246,3 +246,13 @@ def test_param_dtype_must_match_the_precision() -> None:
     extra = {"bf16": {"enabled": True}, "data_types": {"param_dtype": "fp16"}}
     with pytest.raises(ConfigError, match=r"data_types\.param_dtype"):
         initialize(model=_Rotary(), config=config(GLOBAL_BATCH, **extra))
+
+
+def test_engine_get_mom_reports_betas_pairs_and_momentum() -> None:
+    from shardspeed.runtime.api import initialize
+
+    engine, _, _, _ = initialize(model=make_model(), config=config(GLOBAL_BATCH))
+    assert engine.get_mom() == [(0.9, 0.999)]
+    sgd = {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.5}}}
+    engine, _, _, _ = initialize(model=make_model(), config={**config(GLOBAL_BATCH), **sgd})
+    assert engine.get_mom() == [0.5]

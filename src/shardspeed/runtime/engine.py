@@ -740,8 +740,10 @@ class ShardSpeedEngine(nn.Module):
         return [group["lr"] for group in self.basic_optimizer.param_groups]
 
     def get_mom(self) -> list[Any]:
+        """Each param group's momentum as DeepSpeed reports it: the `betas` pair for Adam-like
+        optimizers, `momentum` for SGD-like ones."""
         return [
-            group.get("betas", (group.get("momentum"),))[0]
+            group["betas"] if "betas" in group else group.get("momentum")
             for group in self.basic_optimizer.param_groups
         ]
 
