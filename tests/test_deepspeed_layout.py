@@ -256,3 +256,18 @@ def test_engine_get_mom_reports_betas_pairs_and_momentum() -> None:
     sgd = {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.5}}}
     engine, _, _, _ = initialize(model=make_model(), config={**config(GLOBAL_BATCH), **sgd})
     assert engine.get_mom() == [0.5]
+
+
+def test_bad_inputs_are_refused_at_initialize() -> None:
+    from shardspeed.runtime.api import initialize
+
+    model = make_model()
+    groups = [{"params": list(model.parameters()), "lr": "0.01"}]
+    with pytest.raises(ValueError, match=r"param group 0: 'lr' is '0\.01' \(str\)"):
+        no_section = {k: v for k, v in config(GLOBAL_BATCH).items() if k != "optimizer"}
+        initialize(model=model, optimizer=torch.optim.AdamW(groups), config=no_section)
+    data = [(torch.zeros(8), torch.zeros(4))] * (GLOBAL_BATCH - 1)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        initialize(model=make_model(), training_data=data, config=config(GLOBAL_BATCH))
+    with pytest.raises(ValueError, match="training_data has no samples"):
+        initialize(model=make_model(), training_data=[], config=config(GLOBAL_BATCH))

@@ -53,6 +53,8 @@ def test_parse_hostfile_skips_comments_and_blank_lines() -> None:
         (["worker-0 slots=0"], r"hosts:1: host 'worker-0' has slots=0"),
         (["a slots=1", "", "a slots=2"], r"hosts:3: host 'a' is listed twice \(first on line 1\)"),
         (["# nothing", ""], r"hosts lists no hosts"),
+        (["-oProxyCommand=x slots=1"], r"hosts:1: '-oProxyCommand=x' is not a host name"),
+        (["ok slots=1", "a;b slots=1"], r"hosts:2: 'a;b' is not a host name"),
     ],
 )
 def test_parse_hostfile_errors_name_the_line(lines: list[str], message: str) -> None:
@@ -194,6 +196,9 @@ def test_launcher_defaults() -> None:
         (["--launcher", "pdsh", "t.py"], "unrecognized launcher flag '--launcher'"),
         (["--num_gpus", "2"], "missing the script"),
         (["--module", "--no_python", "t.py"], "cannot be used together"),
+        (["--num_procs", "0", "t.py"], "--num_procs must be at least 1, got 0"),
+        (["--num_accelerators=-1", "t.py"], "--num_accelerators must be at least 1, got -1"),
+        (["--num_nodes", "0", "t.py"], "--num_nodes must be at least 1, got 0"),
         (["--bind_core_list", "0-3", "t.py"], "only takes effect with --bind_cores_to_rank"),
         (
             ["--bind_cores_to_rank", "--bind_core_list", "4-2", "t.py"],

@@ -13,6 +13,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+# What ssh gets as its destination: a name or an IPv4 address, never something it reads as an option.
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _SLOTS = re.compile(r"slots=(\d+)")
 
 
@@ -29,6 +31,11 @@ def parse_hostfile(lines: Iterable[str], source: str = "hostfile") -> dict[str, 
         if match is None:
             raise ValueError(f"{source}:{number}: expected 'HOST slots=N', got {raw.strip()!r}")
         host, slots = fields[0], int(match.group(1))
+        if _HOST.fullmatch(host) is None:
+            raise ValueError(
+                f"{source}:{number}: {host!r} is not a host name: use letters, digits, '.', '-' "
+                "and '_', starting with a letter or digit"
+            )
         if slots < 1:
             raise ValueError(f"{source}:{number}: host {host!r} has slots={slots}, need at least 1")
         if host in pool:

@@ -157,14 +157,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """
     parser, takes_value = _build_parser()
     index = 0
+    typed: dict[str, str] = {}  # option dest -> the spelling the user typed, for messages
     while index < len(argv) and argv[index].startswith("-") and argv[index] != "-":
         name, has_equals, _ = argv[index].partition("=")
         if name not in takes_value:
             parser.error(
                 f"unrecognized launcher flag {argv[index]!r} (launcher flags go before the script)"
             )
+        typed[parser._option_string_actions[name].dest] = name
         index += 2 if takes_value[name] and not has_equals else 1
     args = parser.parse_args(argv[:index])
+    for dest in ("num_gpus", "num_nodes"):
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            parser.error(f"{typed[dest]} must be at least 1, got {value}")
     if index >= len(argv):
         parser.error("missing the script to run")
     args.user_script, args.user_args = argv[index], list(argv[index + 1 :])

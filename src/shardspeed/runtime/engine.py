@@ -140,8 +140,12 @@ class ShardSpeedEngine(nn.Module):
         self.expert_tensor_names = self._name_expert_tensors()
 
         self.basic_optimizer = self._build_optimizer(optimizer, model_parameters)
+        if self.basic_optimizer is not None:
+            check_param_groups(self.basic_optimizer.param_groups)
         self.optimizer = self._wrap_optimizer(self.basic_optimizer)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        if training_data is not None:
+            check_training_data(training_data, self.train_batch_size())
         self.training_dataloader = (
             self.deepspeed_io(training_data, collate_fn=collate_fn)
             if training_data is not None
@@ -1041,6 +1045,54 @@ def offload_options(config: ShardSpeedConfig) -> OffloadOptions:
             overlap_events=aio.overlap_events,
         ),
     )
+
+
+# Param-group settings torch's optimizers read as numbers; a string there fails only inside the
+# first step's kernel, far from the group that carries it.
+_NUMERIC_GROUP_KEYS = ("lr", "weight_decay", "eps", "momentum", "dampening", "alpha", "lr_decay")
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and (value.is_floating_point() or not value.dtype.is_complex)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_param_groups(groups: list[dict[str, Any]]) -> None:
+    """Refuse a param group whose numeric settings are not numbers, naming the group and key."""
+    for index, group in enumerate(groups):
+        for key in _NUMERIC_GROUP_KEYS:
+            if key in group and not _is_number(group[key]):
+                raise ValueError(
+                    f"optimizer param group {index}: '{key}' is {group[key]!r} "
+                    f"({type(group[key]).__name__}); it must be a number"
+                )
+        betas = group.get("betas")
+        if betas is not None and not (
+            isinstance(betas, (tuple, list)) and len(betas) == 2 and all(map(_is_number, betas))
+        ):
+            raise ValueError(
+                f"optimizer param group {index}: 'betas' is {betas!r}; it must be two numbers"
+            )
+
+
+def check_training_data(dataset: Any, train_batch_size: int) -> None:
+    """Refuse a training set with no samples, or fewer than one global batch: the loader would
+    end at once (a resume loop then spins) or train on one padded, partial step."""
+    try:
+        size = len(dataset)
+    except TypeError:
+        return  # an iterable dataset: its length is not known in advance
+    if size == 0:
+        raise ValueError(
+            "training_data has no samples: pass a dataset with at least one global batch "
+            f"(train_batch_size = {train_batch_size})"
+        )
+    if size < train_batch_size:
+        raise ValueError(
+            f"training_data has {size} samples, fewer than one global batch (train_batch_size = "
+            f"{train_batch_size}): use more data or a smaller train_batch_size"
+        )
 
 
 def _cast_module(
