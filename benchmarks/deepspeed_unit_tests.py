@@ -172,7 +172,7 @@ def main() -> int:
             "",
         ]
         with open(Path(__file__).resolve().parents[1] / "BENCHMARKS.md", "a") as page:
-            page.write("\n" + "\n".join(heading) + report + "\n")
+            page.write("\n" + "\n".join(heading) + "\n" + report + "\n")
     return 0
 
 
