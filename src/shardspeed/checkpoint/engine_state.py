@@ -463,15 +463,17 @@ def load_engine(
     """`engine.load_checkpoint`: every rank reads what its layout holds. A DeepSpeed checkpoint
     is converted first (`deepspeed.imported`: each rank reads it once, into a temporary
     shardspeed checkpoint) and loaded from that."""
+    options = (
+        load_module_strict,
+        load_optimizer_states,
+        load_lr_scheduler_states,
+        load_module_only,
+    )
     with imported(Path(load_dir), tag) as converted:
         if converted is None:
-            return _load(engine, load_dir, tag, load_module_strict, load_optimizer_states,
-                         load_lr_scheduler_states, load_module_only)  # fmt: skip
+            return _load(engine, load_dir, tag, *options)
         logger.info("loading DeepSpeed checkpoint %s/%s", load_dir, converted[1])
-        _, client_state = _load(
-            engine, str(converted[0]), converted[1], load_module_strict, load_optimizer_states,
-            load_lr_scheduler_states, load_module_only,
-        )  # fmt: skip
+        _, client_state = _load(engine, str(converted[0]), converted[1], *options)
         return str(Path(load_dir) / converted[1]), client_state
 
 

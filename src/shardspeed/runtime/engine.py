@@ -1054,7 +1054,7 @@ _NUMERIC_GROUP_KEYS = ("lr", "weight_decay", "eps", "momentum", "dampening", "al
 
 def _is_number(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and (value.is_floating_point() or not value.dtype.is_complex)
+        return value.numel() == 1 and not value.dtype.is_complex
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
