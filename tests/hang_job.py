@@ -1,16 +1,24 @@
-"""A 2-rank torchrun job for `test_hang.py`: ZeRO stage 3 trains 2 steps, then one rank misbehaves.
+"""A 2-rank torchrun job for `test_hang.py`: ZeRO trains 2 steps, then one rank misbehaves.
 
-    torchrun --nproc_per_node 2 tests/hang_job.py raise|skip|order
+    torchrun --nproc_per_node 2 tests/hang_job.py MODE [--stage N] [--timeout S] [--init-timeout S]
 
 - raise: rank 1 raises inside the model's forward.
 - skip: rank 1 never enters the next forward (it sleeps, as if it had skipped the collectives).
-- order: the ranks call two collectives in opposite orders (all_reduce and all_gather_into_tensor
-  use different gloo slots, so each waits for a message the other never sends).
+- order: the ranks call two collectives in opposite orders.
+- size: rank 1 trains another step while rank 0 all-reduces one number, so the ranks call
+  collectives of different sizes (at stage 0 both are all-reduces, which gloo itself answers by
+  aborting the process).
+- disagree: each rank's config sets another 'comms_timeout_s' (S + rank), refused at initialize.
+
+`--stage` is the ZeRO stage (default 3); `--timeout` the config's 'comms_timeout_s' (none if not
+given); `--init-timeout` starts the process group with init_distributed(timeout=S seconds) first.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import datetime
+import os
 import time
 
 import torch
@@ -57,15 +65,28 @@ def opposite_orders(rank: int) -> None:
 
 
 @record  # torchrun's failure summary then shows each failed rank's error
-def main(mode: str) -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("raise", "skip", "order", "size", "disagree"))
+    parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--init-timeout", type=float, default=None)
+    args = parser.parse_args(argv)
+    mode = args.mode
     torch.set_num_threads(1)
+    if args.init_timeout is not None:
+        comm.init_distributed(timeout=datetime.timedelta(seconds=args.init_timeout))
     model = Net()
     config = {
         "train_batch_size": 8,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": args.stage, "stage3_param_persistence_threshold": 0},
     }
+    if args.timeout is not None:
+        offset = int(os.environ["RANK"]) if mode == "disagree" else 0
+        config["comms_timeout_s"] = args.timeout + offset
     engine, *_ = shardspeed.initialize(model=model, config=config)
+    print(f"rank {engine.global_rank}: timeout {comm.collective_timeout()}", flush=True)
     rank = engine.global_rank
     for n in range(2):
         step(engine, rank, n)
@@ -79,9 +100,12 @@ def main(mode: str) -> None:
         step(engine, rank, 2)
     elif mode == "order":
         opposite_orders(rank)
-    else:
-        raise SystemExit(f"unknown mode {mode!r}")
+    elif mode == "size":
+        if rank == 1:
+            step(engine, rank, 2)
+        else:
+            comm.all_reduce(torch.ones(1))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

@@ -258,6 +258,9 @@ BAD_CONFIGS = [
         "'zero_optimization.mics_shard_size' is removed",
     ),
     ({"communication_data_type": "fp8"}, "'communication_data_type'"),
+    ({"comms_timeout_s": 0}, "'comms_timeout_s': Input should be greater than 0"),
+    ({"comms_timeout_s": "soon"}, "'comms_timeout_s': Input should be a valid number"),
+    ({"comms_timeout_s": float("inf")}, "'comms_timeout_s': Input should be a finite number"),
     ({"steps_per_print": 0}, "'steps_per_print'"),
     ({"gradient_predivide_factor": 0}, "'gradient_predivide_factor'"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true: choose one"),
@@ -512,6 +515,14 @@ def test_input_dict_is_not_modified():
     snapshot = json.loads(json.dumps(raw))
     load_config(raw, 1)
     assert raw == snapshot
+
+
+def test_comms_timeout_is_unset_by_default_and_read_in_seconds():
+    assert load({}).comms_timeout_s is None  # DEEPSPEED_TIMEOUT, else 10 minutes
+    assert load({"comms_timeout_s": 90}).comms_timeout_s == 90.0
+    assert "comms_timeout_s = 90.0 (default None)" in non_default_settings(
+        load({"comms_timeout_s": 90})
+    )
 
 
 def test_config_keys_page_is_current():

@@ -184,7 +184,7 @@ def test_script_args_pass_through_untouched() -> None:
 
 def test_launcher_defaults() -> None:
     args = runner.parse_args(["train.py"])
-    assert args.master_port is None  # 29500, or a free port on one node when 29500 is taken
+    assert args.master_port is None  # on one node torchrun's own, else 29500
     assert args.master_addr is None and args.num_gpus is None and args.hostfile is None
     assert runner.parse_args(["--num_procs", "3", "t.py"]).num_gpus == 3
     assert runner.parse_args(["--num_accelerators", "3", "t.py"]).num_gpus == 3
@@ -389,7 +389,8 @@ value = torch.tensor([float(dist.get_rank())])
 dist.all_reduce(value)
 assert args.local_rank == int(os.environ["LOCAL_RANK"])
 with open(os.path.join(args.out, f"rank{dist.get_rank()}"), "w") as handle:
-    handle.write(f"{value.item()} {dist.get_world_size()} {os.environ['CROSS_SIZE']}")
+    handle.write(f"{value.item()} {dist.get_world_size()} {os.environ['CROSS_SIZE']} ")
+    handle.write(os.environ["MASTER_PORT"])
 dist.destroy_process_group()
 """
 
@@ -409,15 +410,46 @@ def test_real_run_on_two_processes(tmp_path: Path) -> None:
     script.write_text(SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
+    port = _free_port()
     result = subprocess.run(
-        [_shardspeed(), "--num_procs", "2", "--master_port", str(_free_port()), str(script),
+        [_shardspeed(), "--num_procs", "2", "--master_port", str(port), str(script),
          "--out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     # Each rank saw the all-reduced sum 0 + 1, a world of 2 and one node.
     assert sorted(p.name for p in out.iterdir()) == ["rank0", "rank1"]
-    assert {p.read_text() for p in out.iterdir()} == {"1.0 2 1"}
+    assert {p.read_text() for p in out.iterdir()} == {f"1.0 2 1 {port}"}
+
+
+def test_launches_started_together_meet_on_ports_of_their_own(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    outs = [tmp_path / "out0", tmp_path / "out1"]
+    for out in outs:
+        out.mkdir()
+    # Each torchrun binds the port it meets on as it picks it: no window in which both take one.
+    command = [_shardspeed(), "--num_procs", "2", str(script), "--out"]
+    launches = [
+        subprocess.Popen(
+            [*command, str(out)],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for out in outs
+    ]
+    logs = [launch.communicate(timeout=120)[0] for launch in launches]
+    assert [launch.returncode for launch in launches] == [0, 0], logs
+    ports = set()
+    for out in outs:
+        reports = {p.read_text() for p in out.iterdir()}
+        assert len(reports) == 1, reports  # both ranks of a launch met in one group
+        value, world, nodes, port = reports.pop().split()
+        assert (value, world, nodes) == ("1.0", "2", "1")
+        ports.add(port)
+    assert len(ports) == 2
 
 
 def test_failing_script_fails_the_launcher(tmp_path: Path) -> None:
@@ -521,14 +553,30 @@ def test_entry_needs_local_rank_from_torchrun(monkeypatch: pytest.MonkeyPatch) -
         entry.main(["--bogus", "train.py"])
 
 
+def test_one_node_meets_on_a_port_torchrun_binds_itself() -> None:
+    [launch] = _plan(["--num_procs", "2", "t.py"])
+    argv = launch.argv
+    assert argv[argv.index("--nnodes") : argv.index("--module")] == [
+        "--nnodes",
+        "1",
+        "--standalone",
+    ]
+    assert "--master_port" not in argv and "--master_addr" not in argv
+    # An explicit port or address keeps the fixed rendezvous.
+    for flags in (["--master_port", "1234"], ["--master_addr", "127.0.0.2"]):
+        [launch] = _plan([*flags, "t.py"])
+        assert "--standalone" not in launch.argv and flags[1] in launch.argv
+
+
 def test_busy_default_port_is_replaced_on_one_node(monkeypatch: pytest.MonkeyPatch) -> None:
     def port_of(launch: runner.Launch) -> str:
         return launch.argv[launch.argv.index("--master_port") + 1]
 
+    address = ["--master_addr", "127.0.0.1"]  # with no port given, the default one if it is free
     monkeypatch.setattr(runner, "port_is_free", lambda port: True)
-    assert port_of(_plan(["t.py"], devices=1)[0]) == "29500"
+    assert port_of(_plan([*address, "t.py"], devices=1)[0]) == "29500"
     monkeypatch.setattr(runner, "port_is_free", lambda port: False)
-    assert port_of(_plan(["t.py"], devices=1)[0]) != "29500"
+    assert port_of(_plan([*address, "t.py"], devices=1)[0]) != "29500"
     assert port_of(_plan(["--master_port", "29500", "t.py"], devices=1)[0]) == "29500"
 
 

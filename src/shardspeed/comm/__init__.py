@@ -1,6 +1,7 @@
 """`shardspeed.comm` (DeepSpeed's `deepspeed.comm`): process groups and counted collectives."""
 
 from .comm import (
+    DEFAULT_TIMEOUT,
     CollectiveError,
     ReduceOp,
     all_gather,
@@ -10,6 +11,7 @@ from .comm import (
     barrier,
     broadcast,
     collective_sequence,
+    collective_timeout,
     comm_volume,
     default_backend,
     destroy_process_group,
@@ -23,11 +25,13 @@ from .comm import (
     reduce,
     reduce_scatter_tensor,
     reset_comm_volume,
+    use_collective_timeout,
 )
 from .logger import CommsLogger, comms_logger, configure_comms_logger, log_summary, reset_log
 from .topology import ExpertGroups, Topology
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "CollectiveError",
     "CommsLogger",
     "ExpertGroups",
@@ -40,6 +44,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "collective_sequence",
+    "collective_timeout",
     "comm_volume",
     "comms_logger",
     "configure_comms_logger",
@@ -57,4 +62,5 @@ __all__ = [
     "reduce_scatter_tensor",
     "reset_comm_volume",
     "reset_log",
+    "use_collective_timeout",
 ]

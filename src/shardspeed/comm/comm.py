@@ -2,20 +2,28 @@
 failed collective say which rank stopped where.
 
 Everything goes through torch.distributed (gloo on CPU, NCCL on CUDA). The wrappers exist so that
-every room reports its traffic the same way; on success they add only counters to the collective
-itself (and, while the comms logger is on, its timing: `logger.py`). Each wrapped collective takes
-this process's next sequence number. When one raises (or its work's `wait()` does), the rank
-publishes where it stopped to the default group's store, reads what its peers published for a few
-seconds, and raises `CollectiveError` saying both.
+every room reports its traffic the same way; on success they add counters to the collective itself
+(and, while the comms logger is on, its timing: `logger.py`) and, on gloo, a small all-gather of
+what each rank is about to call. Each wrapped collective takes this process's next sequence
+number. When one raises (or its work's `wait()` does), or the ranks are about to call different
+collectives, the rank publishes where it stopped to the default group's store, reads what its peers
+published for a few seconds, and raises `CollectiveError` saying both.
+
+The collective timeout: `init_distributed(timeout=)`, else the config's `comms_timeout_s` (applied
+at `initialize`), else the timeout of a process group that other code started, else
+`DEEPSPEED_TIMEOUT` (minutes), else `DEFAULT_TIMEOUT`.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import time
 import traceback
+import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config.errors import ConfigError
 from ..utils.net import free_port, port_is_free
 from .logger import comms_logger
 
@@ -35,6 +44,30 @@ _calls: Counter[str] = Counter()
 # Collectives this process entered through the wrappers, in any group (the last one's number).
 _seq = 0
 
+# Codes for what `_check_same_call` exchanges: the wrappers' operations, and torch's dtypes.
+_OPS = ("barrier", "all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
+        "reduce", "all_to_all_single", "all_gather")  # fmt: skip
+_DTYPES = sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)})
+_DTYPE_CODES = {name: code for code, name in enumerate(_DTYPES)}
+
+
+class _GroupState:
+    """What the wrappers keep per process group: whether its calls are checked first (gloo and
+    more than one rank: see `_run`) and how many wrapped collectives this process called in it."""
+
+    __slots__ = ("calls", "checked")
+
+    def __init__(self, group: Any) -> None:
+        try:
+            self.checked = dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1
+        except ValueError:  # this rank is not in the group: torch skips the call
+            self.checked = False
+        self.calls = 0
+
+
+# Weak keys: a destroyed group's state goes with it, and a new group never inherits it.
+_groups: weakref.WeakKeyDictionary[Any, _GroupState] = weakref.WeakKeyDictionary()
+
 _STALL_KEY = "shardspeed/stalled/{}"  # + global rank, in the default group's store
 _GRACE_S = 5.0  # longest wait for the peers' records (at most the group timeout)
 _SHOWN_PEERS = 8  # peers described one by one; the rest are summed up
@@ -43,6 +76,27 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(_HERE)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# DeepSpeed 0.19's default: a job moved over keeps its limit, and it is long enough for what one
+# rank does while the others wait at a collective (rank 0 writing a large consolidated checkpoint,
+# one rank loading a model to broadcast), yet a hang is reported in minutes rather than torch's 30.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+_EXPLICIT = "init_distributed(timeout=)"
+_CONFIG_KEY = "comms_timeout_s"
+_SOURCES = (  # where a timeout came from, highest precedence first
+    _EXPLICIT,
+    f"config '{_CONFIG_KEY}'",
+    "the process group's own",
+    "DEEPSPEED_TIMEOUT",
+    "default",
+)
+# The default group (a weak reference) with the timeout it started with and where that came from,
+# then with the timeout applied at initialize: a group started again, or by other code, is not
+# these records'.
+_started: tuple[Any, datetime.timedelta, str] | None = None
+_applied: tuple[Any, datetime.timedelta] | None = None
+_warned: set[str] = set()
+_logger = logging.getLogger("shardspeed")
 
 
 def default_backend() -> str:
@@ -68,16 +122,19 @@ def init_distributed(
 
     Reads torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK). Without a
     launcher it starts a one-process group on a free local port rather than looking for MPI.
-    `auto_mpi_discovery`, `verbose` and `config` are accepted for signature compatibility only: there
-    is no MPI discovery to switch.
+    `timeout` bounds every collective and takes precedence over the config's `comms_timeout_s`;
+    without it the group starts with `DEEPSPEED_TIMEOUT` (minutes) or `DEFAULT_TIMEOUT`, which the
+    config's key replaces at `initialize`. `auto_mpi_discovery`, `verbose` and `config` are
+    accepted for signature compatibility only: there is no MPI discovery to switch.
     """
+    global _started, _applied
     del auto_mpi_discovery, verbose, config
     if dist_init_required is False or dist.is_initialized():
         return
     backend = dist_backend or default_backend()
+    source = _EXPLICIT
     if timeout is None:
-        minutes = os.environ.get("DEEPSPEED_TIMEOUT")
-        timeout = datetime.timedelta(minutes=float(minutes) if minutes else 30)
+        timeout, source = _environment_timeout()
     if not all(key in os.environ for key in _ENV_KEYS) and init_method is None:
         if rank not in (-1, 0) or world_size not in (-1, 1):
             raise RuntimeError(
@@ -117,6 +174,127 @@ def init_distributed(
             world_size=int(os.environ["WORLD_SIZE"]),
         )
     dist.init_process_group(**kwargs)
+    world = weakref.ref(dist.group.WORLD)
+    _started, _applied = (world, timeout, source), (world, timeout)
+
+
+def _of_this_world(record: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    """`record` without its group, if that group is the default group now."""
+    if record is None or not dist.is_initialized() or record[0]() is not dist.group.WORLD:
+        return None
+    return record[1:]
+
+
+def _environment_timeout() -> tuple[datetime.timedelta, str]:
+    minutes = os.environ.get("DEEPSPEED_TIMEOUT")
+    if not minutes:
+        return DEFAULT_TIMEOUT, _SOURCES[4]
+    try:
+        value = float(minutes)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError(
+            f"DEEPSPEED_TIMEOUT={minutes!r}: expected the collective timeout in minutes, a "
+            "number above 0"
+        )
+    return datetime.timedelta(minutes=value), _SOURCES[3]
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """The timeout of shardspeed's collectives and of the groups it makes; None before a process
+    group exists (torch's default then applies)."""
+    applied = _of_this_world(_applied)
+    return None if applied is None else applied[0]
+
+
+def use_collective_timeout(config_seconds: float | None) -> datetime.timedelta | None:
+    """Settle the collective timeout at `initialize` and apply it to every process group.
+
+    `config_seconds` is the config's `comms_timeout_s` (None: not set). It replaces the timeout
+    the default group started with unless that was `init_distributed(timeout=)`. The ranks must
+    agree: each one's value is all-gathered, and a difference raises `ConfigError` naming them.
+    Returns the timeout applied (None without a process group).
+    """
+    global _applied
+    if not dist.is_initialized():
+        return None
+    started = _of_this_world(_started)
+    if started is not None:
+        timeout, source = started
+    else:  # started by other code (torch, accelerate): its timeout is the store's
+        timeout = dist.distributed_c10d._get_default_store().timeout
+        source = _SOURCES[2]
+    if config_seconds is not None:
+        wanted = datetime.timedelta(seconds=config_seconds)
+        if source == _EXPLICIT and wanted != timeout:
+            _warn_once(
+                f"'{_CONFIG_KEY}': {config_seconds:g} is not applied: init_distributed(timeout="
+                f"{timeout.total_seconds():g} s) was given and takes precedence; pass the same "
+                "value or drop one of them"
+            )
+        elif source != _EXPLICIT:
+            timeout, source = wanted, _SOURCES[1]
+    _check_ranks_agree(timeout, source)
+    _applied = (weakref.ref(dist.group.WORLD), timeout)
+    _apply_timeout(timeout)
+    return timeout
+
+
+def _check_ranks_agree(timeout: datetime.timedelta, source: str) -> None:
+    world = get_world_size()
+    if world == 1:
+        return
+    mine = torch.tensor(
+        [timeout.total_seconds(), float(_SOURCES.index(source))], dtype=torch.float64
+    )
+    everyone = torch.empty(2 * world, dtype=torch.float64)
+    all_gather_into_tensor(everyone, mine)
+    pairs = everyone.view(world, 2).tolist()
+    if len({seconds for seconds, _ in pairs}) == 1:
+        return
+    found: dict[tuple[float, int], list[int]] = {}
+    for rank, (seconds, index) in enumerate(pairs):
+        found.setdefault((seconds, int(index)), []).append(rank)
+    values = "; ".join(
+        f"{_ranks(ranks)}: {seconds:g} s ({_SOURCES[index]})"
+        for (seconds, index), ranks in found.items()
+    )
+    raise ConfigError(
+        f"'{_CONFIG_KEY}': the ranks disagree on the collective timeout ({values}): give every "
+        "rank the same value (and the same DEEPSPEED_TIMEOUT and init_distributed(timeout=))"
+    )
+
+
+def _apply_timeout(timeout: datetime.timedelta) -> None:
+    """Give every process group and the default store `timeout`; warn once where torch cannot."""
+    kept = []
+    groups = list(dist.distributed_c10d._world.pg_map)
+    for group in groups:
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                dist.distributed_c10d._set_pg_timeout(timeout, group)
+            if caught:
+                kept.append(str(caught[0].message))
+        except Exception as exc:  # private torch API: a failure keeps the group's own timeout
+            kept.append(f"{type(exc).__name__}: {_first_line(exc)}")
+    try:
+        dist.distributed_c10d._get_default_store().set_timeout(timeout)
+    except Exception as exc:
+        kept.append(f"{type(exc).__name__}: {_first_line(exc)}")
+    if kept:
+        _warn_once(
+            f"the collective timeout {timeout.total_seconds():g} s could not be applied to "
+            f"{len(kept)} of {len(groups) + 1} process groups and stores ({kept[0]}): those keep "
+            "the timeout they were made with"
+        )
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        _logger.warning(message)
 
 
 def is_initialized() -> bool:
@@ -188,14 +366,28 @@ def _run(
     /,
     *args: Any,
     nbytes: int = 0,
+    payload: torch.Tensor | None = None,
+    root: int = -1,
     **kwargs: Any,
 ) -> Any:
-    # The hot path: an int increment, one flag test and, for async work, a small wrapper. No host
-    # sync, no store traffic, no stack capture unless the collective fails or the comms logger is
-    # on. `nbytes` is the payload the logger reports (what `_count` returned).
+    # The hot path: an int increment, one flag test and, for async work, a small wrapper; no store
+    # traffic and no stack capture unless the collective fails or the comms logger is on. `nbytes`
+    # is the payload the logger reports (what `_count` returned); `payload` (this rank's input,
+    # whose size and dtype every rank must share) and `root` describe the call for the check.
     global _seq
     _seq += 1
     seq = _seq
+    key = dist.group.WORLD if group is None else group
+    state = _groups.get(key)
+    if state is None:
+        state = _groups[key] = _GroupState(key)
+    state.calls += 1
+    if state.checked:
+        # gloo aborts the process (SIGABRT, "Received data size doesn't match") when ranks call
+        # collectives of different sizes in the same slot, before any error reaches Python. One
+        # small blocking all-gather of what each rank is about to call turns that into this
+        # error, and a skipped or reordered collective into one at once rather than at timeout.
+        _check_same_call(name, seq, group, payload, root, state.calls)
     timing = comms_logger.start(name, nbytes, group) if comms_logger.enabled else None
     try:
         work = call(*args, group=group, async_op=async_op, **kwargs)
@@ -206,6 +398,52 @@ def _run(
     if timing is not None:
         comms_logger.finish(timing)
     return work
+
+
+def _check_same_call(
+    name: str, seq: int, group: Any, payload: torch.Tensor | None, root: int, number: int
+) -> None:
+    """Raise `CollectiveError` unless every rank of `group` is about to make the same call: the
+    same operation, size, dtype and root, as the same (`number`-th) wrapped call in the group."""
+    numel, dtype = (
+        (0, -1) if payload is None else (payload.numel(), _DTYPE_CODES[str(payload.dtype)])
+    )
+    mine = torch.tensor([_OPS.index(name), numel, dtype, root, number])
+    size = dist.get_world_size(group)
+    everyone = torch.empty(size * mine.numel(), dtype=mine.dtype)
+    try:
+        _all_gather_single(everyone, mine, group=group)
+    except RuntimeError as exc:  # a rank that never comes: gloo's timeout
+        raise _collective_error(name, seq, group, exc, None) from exc
+    calls = [tuple(row) for row in everyone.view(size, -1).tolist()]
+    if len(set(calls)) == 1:
+        return
+    by_call: dict[tuple[int, ...], list[int]] = {}
+    members = _members(group) or list(range(size))  # group ranks if torch cannot say
+    for index, call in enumerate(calls):
+        by_call.setdefault(call, []).append(members[index])
+    described = "; ".join(f"{_ranks(ranks)}: {_describe(call)}" for call, ranks in by_call.items())
+    mismatch = RuntimeError(f"the ranks called different collectives: {described}")
+    raise _collective_error(name, seq, group, mismatch, None) from None
+
+
+def _describe(call: tuple[int, ...]) -> str:
+    op, numel, dtype, root, number = call
+    text = _OPS[op]
+    if op != _OPS.index("barrier"):
+        text += f" of {numel} {_DTYPES[dtype].removeprefix('torch.')} element"
+        text += "" if numel == 1 else "s"
+    if root >= 0:
+        text += f" with root rank {root}"
+    return f"{text} (collective {number} in this group)"
+
+
+def _members(group: Any) -> list[int] | None:
+    """The group's global ranks, in group-rank order (None if torch cannot say)."""
+    try:
+        return dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+    except Exception:
+        return None
 
 
 class _CheckedWork:
@@ -269,6 +507,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _group_timeout() -> float | None:
+    applied = collective_timeout()
+    if applied is not None:
+        return applied.total_seconds()
     # init_process_group gives the default store the group's timeout; subgroups usually share it.
     try:
         return dist.distributed_c10d._get_default_store().timeout.total_seconds()
@@ -327,10 +568,7 @@ def _collective_error(
 ) -> CollectiveError:
     """Build the error for this rank's failed collective #`seq`, after trading records with peers."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    try:
-        members = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
-    except Exception:
-        members = [rank]
+    members = _members(group) or [rank]
     peers = [r for r in members if r != rank]
     frames = _caller_frames()
     where = frames[0] if frames else "an unknown place"
@@ -390,7 +628,9 @@ def all_reduce(
     tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> Any:
     nbytes = _count("all_reduce", tensor)
-    return _run("all_reduce", group, async_op, dist.all_reduce, tensor, op=op, nbytes=nbytes)
+    return _run(
+        "all_reduce", group, async_op, dist.all_reduce, tensor, op=op, nbytes=nbytes, payload=tensor
+    )
 
 
 def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None) -> None:
@@ -401,7 +641,10 @@ def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: An
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
     nbytes = _count("broadcast", tensor)
-    return _run("broadcast", group, async_op, dist.broadcast, tensor, src=src, nbytes=nbytes)
+    return _run(
+        "broadcast", group, async_op, dist.broadcast, tensor, src=src, nbytes=nbytes,
+        payload=tensor, root=src,
+    )  # fmt: skip
 
 
 def all_gather_into_tensor(
@@ -409,8 +652,9 @@ def all_gather_into_tensor(
 ) -> Any:
     nbytes = _count("all_gather", output)
     return _run(
-        "all_gather_into_tensor", group, async_op, _all_gather_single, output, tensor, nbytes=nbytes
-    )
+        "all_gather_into_tensor", group, async_op, _all_gather_single, output, tensor,
+        nbytes=nbytes, payload=tensor,
+    )  # fmt: skip
 
 
 def reduce_scatter_tensor(
@@ -430,6 +674,7 @@ def reduce_scatter_tensor(
         tensor,
         op=op,
         nbytes=nbytes,
+        payload=tensor,
     )
 
 
@@ -441,7 +686,10 @@ def reduce(
     async_op: bool = False,
 ) -> Any:
     nbytes = _count("reduce", tensor)
-    return _run("reduce", group, async_op, dist.reduce, tensor, dst=dst, op=op, nbytes=nbytes)
+    return _run(
+        "reduce", group, async_op, dist.reduce, tensor, dst=dst, op=op, nbytes=nbytes,
+        payload=tensor, root=dst,
+    )  # fmt: skip
 
 
 def all_to_all_single(
@@ -451,8 +699,9 @@ def all_to_all_single(
     chunks sent here, in rank order."""
     nbytes = _count("all_to_all", tensor)
     return _run(
-        "all_to_all_single", group, async_op, dist.all_to_all_single, output, tensor, nbytes=nbytes
-    )
+        "all_to_all_single", group, async_op, dist.all_to_all_single, output, tensor,
+        nbytes=nbytes, payload=tensor,
+    )  # fmt: skip
 
 
 def all_gather(
@@ -461,4 +710,7 @@ def all_gather(
     nbytes = sum(output.numel() * output.element_size() for output in outputs)
     _bytes["all_gather"] += nbytes
     _calls["all_gather"] += 1
-    return _run("all_gather", group, async_op, dist.all_gather, outputs, tensor, nbytes=nbytes)
+    return _run(
+        "all_gather", group, async_op, dist.all_gather, outputs, tensor, nbytes=nbytes,
+        payload=tensor,
+    )  # fmt: skip

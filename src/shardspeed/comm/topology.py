@@ -25,6 +25,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .comm import collective_timeout
+
 
 class ProcessTopology:
     """Ranks laid out on a mesh of named axes (row-major: the last axis varies fastest)."""
@@ -477,8 +479,9 @@ def subgroup(rank_lists: Sequence[Sequence[int]]) -> Any:
     """Make one process group per rank list (collective, same order everywhere); return the one
     holding this rank, or None when no list does."""
     rank, mine = dist.get_rank(), None
+    timeout = collective_timeout()  # torch would give a new group its default, not the world's
     for ranks in rank_lists:
-        group = dist.new_group(ranks=list(ranks))
+        group = dist.new_group(ranks=list(ranks), timeout=timeout)
         if rank in ranks:
             mine = group
     return mine

@@ -34,6 +34,8 @@ def _rows(model: type[StrictModel], prefix: str) -> list[tuple[str, str, str]]:
             status = f"default only: {reason}"
         else:
             status = f"honoured, any value: {note}" if note else "honoured"
+            if field.description:
+                status += f" ({field.description})"
         rows.append((path, f"`{default!r}`" if default != "required" else "required", status))
     return rows
 

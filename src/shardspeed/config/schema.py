@@ -643,6 +643,17 @@ class ShardSpeedConfig(StrictModel):
     gradient_predivide_factor: float = Field(1.0, gt=0.0)
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"
     communication_data_type: Literal["fp16", "bf16", "fp32"] | None = None
+    comms_timeout_s: float | None = Field(
+        None,
+        gt=0.0,
+        le=365 * 24 * 3600.0,  # a year; torch's timedelta arithmetic overflows far above
+        allow_inf_nan=False,
+        description="seconds a collective may wait before the job ends with an error naming "
+        "the rank, collective and call site; applied to every process group at initialize, the "
+        "same on every rank or refused. Precedence: init_distributed(timeout=) > this key > the "
+        "timeout of a process group other code started > DEEPSPEED_TIMEOUT (minutes) > 600 s "
+        "(DeepSpeed's default). A shardspeed key: DeepSpeed has none and ignores it",
+    )
     dataloader_drop_last: bool = False
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True

@@ -6,6 +6,11 @@
 ``--no_ssh``), over ssh for several. Each worker runs :mod:`shardspeed.launcher.entry`, which adds
 ``--local_rank`` and runs the script. The command lines are built by pure functions so they can be
 checked without starting anything.
+
+On one node without ``--master_port`` or ``--master_addr`` torchrun meets on a port it binds itself
+(``--standalone``): probing for a free port and passing it on would leave a moment in which two
+launches started together pick the same one. torchrun gives the workers MASTER_ADDR and
+MASTER_PORT as usual.
 """
 
 from __future__ import annotations
@@ -99,14 +104,15 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, bool]]:
     add(
         "--master_addr",
         default=None,
-        help="rendezvous address (default 127.0.0.1 for one node, else the first host's name)",
+        help="rendezvous address (default: on one node torchrun's own, else the first host's name)",
     )
     add(
         "--master_port",
         type=int,
         default=None,
-        help=f"rendezvous port (default {DEFAULT_MASTER_PORT}; on one node a free port if that one "
-        "is taken)",
+        help=f"rendezvous port (default: on one node a port torchrun binds itself, else "
+        f"{DEFAULT_MASTER_PORT}; with --master_addr on one node, {DEFAULT_MASTER_PORT} or a free "
+        "port if that one is taken)",
     )
     add("--max_restarts", type=int, default=None, help="passed to torchrun")
     add(
@@ -261,17 +267,25 @@ def torchrun_command(
     nproc: int,
     nnodes: int,
     node_rank: int,
-    master_addr: str,
+    master_addr: str | None,
 ) -> list[str]:
-    """The torchrun command for one node, running the script through :mod:`shardspeed.launcher.entry`."""
+    """The torchrun command for one node, running the script through :mod:`shardspeed.launcher.entry`.
+
+    `master_addr` None means one node meeting on a port torchrun binds itself (``--standalone``).
+    """
     command = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(nproc),
         "--nnodes", str(nnodes),
-        "--node_rank", str(node_rank),
-        "--master_addr", master_addr,
-        "--master_port", str(args.master_port or DEFAULT_MASTER_PORT),
     ]  # fmt: skip
+    if master_addr is None:
+        command.append("--standalone")
+    else:
+        command += [
+            "--node_rank", str(node_rank),
+            "--master_addr", master_addr,
+            "--master_port", str(args.master_port or DEFAULT_MASTER_PORT),
+        ]  # fmt: skip
     if args.max_restarts is not None:
         command += ["--max_restarts", str(args.max_restarts)]
     command += ["--module", ENTRY_MODULE]
@@ -323,7 +337,7 @@ def plan_launches(
         pool = {"localhost": args.num_gpus or count_local_devices()}
     hosts = select_resources(pool, args.include, args.exclude, args.num_nodes, args.num_gpus)
     names = list(hosts)
-    master_addr = args.master_addr or ("127.0.0.1" if len(names) == 1 else names[0])
+    master_addr: str | None = args.master_addr or ("127.0.0.1" if len(names) == 1 else names[0])
 
     if args.no_ssh:
         if args.node_rank is None or not 0 <= args.node_rank < len(names):
@@ -331,7 +345,9 @@ def plan_launches(
         node_rank = args.node_rank
     elif len(names) == 1:
         node_rank = 0
-        if args.master_port is None and not port_is_free(DEFAULT_MASTER_PORT):
+        if args.master_port is None and args.master_addr is None:
+            master_addr = None  # torchrun's own free port, bound as it is chosen
+        elif args.master_port is None and not port_is_free(DEFAULT_MASTER_PORT):
             # Only this machine meets at the port, so any free one will do.
             args = copy.copy(args)
             args.master_port = free_port()

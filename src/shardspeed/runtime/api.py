@@ -65,6 +65,7 @@ def initialize(
 
     config_dict = source if isinstance(source, dict) else read_config_source(source)
     run_config = load_config(config_dict, data_parallel_size)
+    comm.use_collective_timeout(run_config.comms_timeout_s)
     groups.use_topology(topology)
     refuse_unsupported_expert_parallelism(model, topology, run_config)
     if topology.tp_world_size > 1 and not pipelined and mpu is None:
