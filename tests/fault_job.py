@@ -37,6 +37,7 @@ from torch.utils.data import TensorDataset
 
 import shardspeed
 from shardspeed.checkpoint import engine_state
+from shardspeed.checkpoint import format as checkpoint_format
 
 GLOBAL_BATCH, MICRO = 8, 4
 SAMPLES = 64  # 8 steps per pass over the data
@@ -112,7 +113,7 @@ def install_fault(kind: str) -> None:
             path.with_name(f".{path.name}.tmp").write_text(text[: len(text) // 2])
             die()
 
-        engine_state.write_json_atomic = write_half_manifest_then_die
+        checkpoint_format.write_json_atomic = write_half_manifest_then_die  # under write_manifest
     elif kind == "rename":
         real_rename = Path.rename
 

@@ -136,6 +136,7 @@ def test_no_file_is_a_pickle(pool2, tmp_path):
     pool2.run(session, stage_keys(3, "bf16"), 2, 1, str(tmp_path))
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert {p.name for p in files} == {
+        ".lock",  # JSON naming the job that saves here
         "latest",
         "manifest.json",
         "rank00000.safetensors",

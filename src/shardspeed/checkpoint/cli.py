@@ -19,9 +19,18 @@ from typing import Any
 
 import torch
 
-from .consolidate import checkpoint_path, consolidate, frozen_parameter_names, parse_size
+from .consolidate import checkpoint_path, consolidate, parse_size
 from .engine_state import LATEST
-from .format import DTYPES, MANIFEST, CheckpointError, Piece, read_manifest, verify_files
+from .format import (
+    CHECKSUM,
+    MANIFEST,
+    UNCHECKSUMMED_WARNING,
+    CheckpointError,
+    checkpoint_problems,
+    frozen_parameter_names,
+    parse_manifest,
+    read_manifest,
+)
 
 PROG = "shardspeed-ckpt"
 _OUTPUT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -81,7 +90,7 @@ def _describe(path: Path, latest: bool) -> list[str]:
     by = manifest["written_by"]
     tensors = manifest["tensors"]
     params = {n[len("param/") :]: e for n, e in tensors.items() if n.startswith("param/")}
-    aliases = manifest.get("aliases", {})
+    aliases = manifest["aliases"]
     buffers = [n for n in tensors if n.startswith("buffer/") and n[len("buffer/") :] not in aliases]
     frozen = frozen_parameter_names(path, manifest)
 
@@ -160,45 +169,13 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _problems(path: Path) -> tuple[list[str], dict[str, Any] | None]:
-    """Everything wrong with one tag: manifest, file sizes and checksums, piece placement."""
+    """Everything wrong with one tag: what a load refuses (`checkpoint_problems`, the same
+    validation), and every CRC-32 block of every file besides."""
     try:
-        manifest = read_manifest(path)
+        manifest = parse_manifest(path)
     except CheckpointError as err:
         return [str(err)], None
-    problems = verify_files(path, manifest["files"])
-    files = manifest["files"]
-    for name, entry in sorted(manifest["tensors"].items()):
-        shape = entry["shape"]
-        expected = int(torch.Size(shape).numel())
-        covered = []
-        for raw in entry["pieces"]:
-            piece = Piece.from_json(raw)
-            if piece.file not in files:
-                problems.append(f"{MANIFEST}: '{name}' has a piece in unlisted file {piece.file}")
-                continue
-            if piece.dtype not in DTYPES:
-                problems.append(f"{MANIFEST}: '{name}' has a piece of unknown dtype {piece.dtype}")
-                continue
-            end = piece.offset + piece.length * DTYPES[piece.dtype].itemsize
-            if end > files[piece.file]["bytes"]:
-                problems.append(
-                    f"{path / piece.file}: '{name}' needs bytes up to {end}, "
-                    f"the file has {files[piece.file]['bytes']}"
-                )
-            covered.append((piece.start, piece.start + piece.length))
-        covered.sort()
-        position = 0
-        for lo, hi in covered:
-            if hi == lo:
-                continue
-            if lo != position:
-                break
-            position = hi
-        if position != expected or sum(hi - lo for lo, hi in covered) != expected:
-            problems.append(
-                f"{MANIFEST}: the pieces of '{name}' do not cover its {expected} elements exactly"
-            )
-    return problems, manifest
+    return checkpoint_problems(path, manifest, every_block=True), manifest
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -227,6 +204,8 @@ def _verify(args: argparse.Namespace) -> int:
         if not found and manifest is not None:
             size = sum(info["bytes"] for info in manifest["files"].values())
             print(f"{path.name}: ok ({len(manifest['files'])} files, {size:,} bytes checked)")
+            if CHECKSUM not in manifest:
+                print(f"{path.name}: warning: {MANIFEST} {UNCHECKSUMMED_WARNING}")
     for line in problems:
         print(line)
     if problems:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .engine_state import open_checkpoint, resolve_tag
-from .format import MANIFEST, CheckpointError, Piece, TensorSource, fsync_dir, read_header
+from .format import MANIFEST, CheckpointError, TensorSource, frozen_parameter_names, fsync_dir
 
 logger = logging.getLogger("shardspeed")
 
@@ -77,24 +77,6 @@ def checkpoint_path(checkpoint_dir: str | os.PathLike, tag: str | None = None) -
     return path
 
 
-def frozen_parameter_names(path: Path, manifest: dict[str, Any]) -> set[str]:
-    """Parameters saved as frozen: stored whole under `frozen.<name>` in their file (rank 0's)."""
-    headers: dict[str, tuple[dict[str, Any], int]] = {}
-    frozen = set()
-    for logical, entry in manifest["tensors"].items():
-        if not logical.startswith("param/") or len(entry["pieces"]) != 1:
-            continue
-        name = logical[len("param/") :]
-        piece = Piece.from_json(entry["pieces"][0])
-        if piece.file not in headers:
-            headers[piece.file] = read_header(path / piece.file)
-        header, data_start = headers[piece.file]
-        stored = header.get(f"frozen.{name}")
-        if stored is not None and data_start + stored["data_offsets"][0] == piece.offset:
-            frozen.add(name)
-    return frozen
-
-
 def _natural(name: str) -> list:
     """Sort key putting `layers.10` after `layers.9`."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
@@ -108,8 +90,8 @@ def lazy_state_dict(
     """`fp32_state_dict` without reading any tensor yet: values are `LazyTensor`s (a tied name
     maps to the same object as the name it is tied to)."""
     path = checkpoint_path(checkpoint_dir, tag)
-    manifest, source = open_checkpoint(path)
-    aliases: dict[str, str] = manifest.get("aliases", {})
+    manifest, source = open_checkpoint(path)  # validated: refused before any read if wrong
+    aliases: dict[str, str] = manifest["aliases"]
     frozen = frozen_parameter_names(path, manifest) if exclude_frozen_parameters else set()
     params = sorted(
         (n[len("param/") :] for n in source.names("param/")),

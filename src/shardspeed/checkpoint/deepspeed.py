@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .format import FORMAT, MANIFEST, VERSION, CheckpointError, write_json_atomic, write_tensor_file
+from .format import FORMAT, MANIFEST, VERSION, CheckpointError, write_manifest, write_tensor_file
 from .values import encode
 
 logger = logging.getLogger("shardspeed")
@@ -625,7 +625,7 @@ def write_shardspeed(state: DeepSpeedState, dst: Path, tag: str) -> Path:
         "ranks": [],
         **shared,
     }
-    write_json_atomic(partial / MANIFEST, manifest)
+    write_manifest(partial, manifest)
     final = dst / tag
     if final.exists():
         raise CheckpointError(f"{final} exists already: import into an empty place")

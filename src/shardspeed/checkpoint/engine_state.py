@@ -12,13 +12,18 @@ Loading reads, for each master tensor of the new layout, just the element ranges
 publishes the masters into the model exactly as a step does. The model's 16-bit weights are not
 saved: they are always the masters cast, so casting again restores them bit for bit.
 
-A save writes into `<save_dir>/.<tag>.partial`, fsyncs every file, has rank 0 write the manifest and
-rename the directory into place, then replaces `latest`. A failure on any rank fails the save on
-every rank and removes the partial directory; the previous tag and `latest` are untouched.
+A save locks `<save_dir>` for its job (`lock.py`), writes into `<save_dir>/.<tag>.partial`, fsyncs
+every file, has rank 0 write the manifest and rename the directory to a name not in use (`<tag>`,
+or `<tag>@<k>` when the tag was saved before), then point `latest` at that directory, and only then
+remove the tag's older copy: at every instant `latest` names a complete checkpoint. A failure on
+any rank fails the save on every rank (the ranks agree on success at each step instead of waiting
+at a barrier) and removes the partial directory; the previous tag and `latest` are untouched.
+A load has rank 0 resolve the tag and share the directory, so every rank reads the same one.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -30,6 +35,7 @@ import torch
 
 from ..comm import barrier, get_rank, get_world_size
 from ..zero.offload import per_element
+from . import lock
 from .deepspeed import imported
 from .format import (
     DTYPE_NAMES,
@@ -45,7 +51,7 @@ from .format import (
     TensorSource,
     fsync_dir,
     read_manifest,
-    write_json_atomic,
+    write_manifest,
     write_tensor_file,
 )
 from .values import all_gather_json, decode, encode
@@ -69,17 +75,24 @@ def save_engine(
     save_latest: bool,
     exclude_frozen_parameters: bool,
 ) -> bool:
-    """`engine.save_checkpoint`: every rank calls it; True once the tag is in place everywhere."""
+    """`engine.save_checkpoint`: every rank calls it; True once the tag is in place everywhere.
+    Any rank's failure fails the save on every rank, with the same `CheckpointError`."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     tag = _agreed_tag(tag, engine.run_config.checkpoint.tag_validation)
     root = Path(save_dir)
+    check_tag_name(tag, root)
     partial = root / f".{tag}.partial"
     rank = get_rank()
+    error = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
-        partial.mkdir()
-    barrier()
+        try:
+            lock.acquire(root)
+            shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
+            partial.mkdir()
+        except Exception as err:  # reported to every rank, then raised everywhere
+            error = _error_text(err)
+    doing = f"saving checkpoint '{tag}' to {root}"
+    _raise_if_any_failed(all_gather_json({"rank": rank, "error": error}), doing)
 
     report: dict[str, Any] = {"rank": rank, "error": None}
     try:
@@ -92,18 +105,14 @@ def save_engine(
         report["tensors"] = _place_pieces(logical, files.where)
         if rank == 0:
             report["shared"] = report["rank_state"].pop("shared")
-    except Exception as err:  # reported to every rank, then raised everywhere
-        report["error"] = f"{type(err).__name__}: {err}"
+    except Exception as err:
+        report["error"] = _error_text(err)
     reports = all_gather_json(report)
-    failed = [r for r in reports if r["error"]]
-    if failed:
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        barrier()
-        details = "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed)
-        raise CheckpointError(f"saving checkpoint '{tag}' to {root} failed ({details})")
+    if any(r["error"] for r in reports) and rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    _raise_if_any_failed(reports, doing)
 
-    outcome: dict[str, Any] = {"error": None}
+    outcome: dict[str, Any] = {"rank": 0, "error": None}
     if rank == 0:
         try:
             _publish_tag(
@@ -111,11 +120,21 @@ def save_engine(
             )
         except Exception as err:
             shutil.rmtree(partial, ignore_errors=True)
-            outcome["error"] = f"{type(err).__name__}: {err}"
-    outcome = all_gather_json(outcome)[0]
-    if outcome["error"]:
-        raise CheckpointError(f"saving checkpoint '{tag}' to {root} failed ({outcome['error']})")
+            outcome["error"] = _error_text(err)
+    _raise_if_any_failed(all_gather_json(outcome)[:1], doing)
     return True
+
+
+def _error_text(err: Exception) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _raise_if_any_failed(reports: list[dict[str, Any]], doing: str) -> None:
+    """Raise, alike on every rank, the errors the ranks reported (`{"rank", "error"}` each)."""
+    failed = [r for r in reports if r["error"]]
+    if failed:
+        details = "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed)
+        raise CheckpointError(f"{doing} failed ({details})")
 
 
 def _agreed_tag(tag: str, mode: str) -> str:
@@ -313,7 +332,8 @@ def _publish_tag(
     save_latest: bool,
     exclude_frozen: bool,
 ) -> None:
-    """Rank 0: write the manifest, move the tag into place, then point `latest` at it."""
+    """Rank 0: write the manifest, rename the partial directory to a new name, point `latest` at
+    it, then remove the tag's older copies."""
     tensors: dict[str, dict[str, Any]] = {}
     files: dict[str, Any] = {}
     for report in reports:
@@ -352,23 +372,31 @@ def _publish_tag(
         "ranks": [r["rank_state"] for r in reports],
         **reports[0]["shared"],
     }
-    write_json_atomic(partial / MANIFEST, manifest)
+    write_manifest(partial, manifest)
     fsync_dir(partial)
-    final, old = root / tag, root / f".{tag}.old"
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
+    # The tag goes into a directory of a name not in use, so that `latest` can name the old copy
+    # until it names the new one: `<tag>`, or `<tag>@<k>` when the tag was saved before.
+    named = _named(root, tag)
+    taken = [k for k, _, _ in named if k >= 0]
+    final = root / (tag if not taken else f"{tag}@{max(taken) + 1}")
     partial.rename(final)
     fsync_dir(root)
-    shutil.rmtree(old, ignore_errors=True)
-    if save_latest:
-        tmp = root / f".{LATEST}.tmp"
-        tmp.write_text(tag)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        tmp.replace(root / LATEST)
-        fsync_dir(root)
+    # Older copies of the tag, and what an interrupted removal of one left (no manifest).
+    older = [path for _, path, saved in named if saved in (tag, None)]
+    if save_latest or read_latest(root) in {path.name for path in older}:
+        _write_latest(root, final.name)
+    for path in older:
+        shutil.rmtree(path, ignore_errors=True)
     _write_recovery_script(root)
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp"
+    tmp.write_text(name)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    tmp.replace(root / LATEST)
+    fsync_dir(root)
 
 
 # What DeepSpeed users (and transformers' Trainer, in its messages) run from a checkpoint folder.
@@ -433,22 +461,98 @@ def _rng_state() -> dict[str, Any]:
 
 
 def resolve_tag(load_dir: str, tag: str | None) -> Path | None:
+    """The directory of `load_dir` that holds `tag`, or, with no tag, the one `latest` names (None
+    when there is no `latest`). A re-saved tag lives in `<tag>@<k>`; when `latest` names a
+    directory that is gone (an interrupted save of an earlier version), the newest complete copy
+    of its tag is taken."""
     root = Path(load_dir)
     if tag is None:
-        latest = root / LATEST
-        if not latest.exists():
+        name = read_latest(root)
+        if name is None:
             return None
-        tag = latest.read_text().strip()
-    path = root / str(tag)
+        check_tag_name(name, root, f"{root / LATEST} names '{name}', which")
+        if (root / name / MANIFEST).exists():
+            return root / name
+        base, at, generation = name.rpartition("@")
+        tags = [name, base] if at and generation.isdigit() else [name]
+        copies = sorted(c for t in tags for c in _copies(root, t))
+        if not copies:
+            raise CheckpointError(
+                f"{root / LATEST} names '{name}', but {root / name} holds no checkpoint (no "
+                f"{MANIFEST}) and no other complete copy of that tag is there: name a tag to load"
+            )
+        logger.warning(f"{root / LATEST} names '{name}', which is missing: loading {copies[-1][1]}")
+        return copies[-1][1]
+    tag = str(tag)
+    check_tag_name(tag, root)
+    copies = _copies(root, tag)
+    if copies:
+        return copies[-1][1]
+    path = root / tag
     if not (path / MANIFEST).exists():
         raise CheckpointError(f"{path}: no checkpoint there (no {MANIFEST})")
-    return path
+    return path  # a tag directory renamed by hand: its manifest names another tag
+
+
+def read_latest(root: Path) -> str | None:
+    """What `<root>/latest` says (the directory of the latest save), or None without one."""
+    try:
+        return (root / LATEST).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+
+
+def check_tag_name(name: str, root: Path, what: str | None = None) -> None:
+    """Refuse a tag (or what `latest` names) that is not one directory name inside `root`."""
+    if name in ("", ".", "..") or "/" in name or os.sep in name or "\0" in name:
+        what = what or f"tag '{name}'"
+        raise CheckpointError(
+            f"{what} is not a directory inside {root}: a checkpoint tag is one directory name "
+            "(not empty, '.' or '..', and no '/')"
+        )
+
+
+def _named(root: Path, tag: str) -> list[tuple[int, Path, str | None]]:
+    """The entries of `root` named as a copy of `tag` would be, oldest first: (generation, path,
+    the tag its manifest names or None); generation -1 for `.<tag>.old` (left by an earlier
+    version's interrupted save), 0 for `<tag>`, k for `<tag>@<k>`."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        if name == tag:
+            generation = 0
+        elif name == f".{tag}.old":
+            generation = -1
+        elif name.startswith(f"{tag}@") and name[len(tag) + 1 :].isdigit():
+            generation = int(name[len(tag) + 1 :])
+        else:
+            continue
+        found.append((generation, root / name, _manifest_tag(root / name)))
+    return sorted(found)
+
+
+def _copies(root: Path, tag: str) -> list[tuple[int, Path]]:
+    """The complete copies of `tag` in `root`, oldest first: those whose manifest names it."""
+    return [(k, path) for k, path, saved in _named(root, tag) if saved == tag]
+
+
+def _manifest_tag(path: Path) -> str | None:
+    try:
+        tag = json.loads((path / MANIFEST).read_text()).get("tag")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return tag if isinstance(tag, str) else None
 
 
 def open_checkpoint(path: Path) -> tuple[dict[str, Any], TensorSource]:
+    """Tag directory `path`'s validated manifest (`read_manifest`: refused before anything is
+    read when any field is wrong) and its tensors."""
     manifest = read_manifest(path)
     reader = ByteReader(path, manifest["files"])
-    return manifest, TensorSource(reader, manifest["tensors"], manifest.get("splits"))
+    return manifest, TensorSource(reader, manifest["tensors"], manifest["splits"])
 
 
 def load_engine(
@@ -486,11 +590,27 @@ def _load(
     load_lr_scheduler_states: bool,
     load_module_only: bool,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    path = resolve_tag(load_dir, tag)
-    if path is None:
+    # Rank 0 finds the directory and tells the others: every rank reads the same one, even when
+    # `latest` changes meanwhile, and all fail alike when there is none.
+    found: dict[str, Any] = {"rank": 0, "name": None, "error": None}
+    if get_rank() == 0:
+        try:
+            path = resolve_tag(load_dir, tag)
+            found["name"] = path.name if path is not None else None
+        except Exception as err:
+            found["error"] = _error_text(err)
+    found = all_gather_json(found)[0]
+    _raise_if_any_failed([found], f"loading checkpoint from {load_dir}")
+    if found["name"] is None:
         logger.warning(f"no '{LATEST}' file in {load_dir}: nothing loaded")
         return None, None
-    manifest, source = open_checkpoint(path)
+    path = Path(load_dir) / found["name"]
+    opened: dict[str, Any] = {"rank": get_rank(), "error": None}
+    try:
+        manifest, source = open_checkpoint(path)
+    except Exception as err:
+        opened["error"] = _error_text(err)
+    _raise_if_any_failed(all_gather_json(opened), f"loading checkpoint {path}")
     if engine.run_config.checkpoint.load_universal:
         logger.info("checkpoint.load_universal: every shardspeed checkpoint is universal already")
     zopt = engine.optimizer
@@ -620,14 +740,23 @@ def _check_names(
         )
     shapes = dict(zip(zopt.param_names, zopt.layout.shapes))
     splits = tensor_parallel_splits(engine)
+    expected = {}
     for name in model & saved:
         shape = tuple(shapes.get(name, params[name].shape))
-        if name in splits:
-            shape = splits[name].whole_shape(shape)
-        if shape != source.shape(f"param/{name}"):
+        expected[f"param/{name}"] = splits[name].whole_shape(shape) if name in splits else shape
+    for module_name, b in engine.module.named_buffers():
+        key = f"buffer/{_checkpoint_name(engine, module_name)[0]}"
+        if key in source:
+            expected[key] = tuple(b.shape)
+    # A shardspeed checkpoint's shapes are its manifest's; a foreign file's, its own header's.
+    where = f" ({source.reader.directory / MANIFEST})" if source.reader.files is not None else ""
+    for key, shape in sorted(expected.items()):
+        if shape != source.shape(key):
+            kind, name = key.split("/", 1)
             raise CheckpointError(
-                f"{label}: parameter '{name}' has shape {source.shape(f'param/{name}')} there "
-                f"and {shape} in the model"
+                f"{label}{where}: tensors['{key}'].shape is {list(source.shape(key))}, the "
+                f"model's {kind} '{name}' has {list(shape)}: the checkpoint is of another model, "
+                "or was edited"
             )
 
 

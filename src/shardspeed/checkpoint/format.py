@@ -5,12 +5,18 @@ lists every logical tensor (a parameter's fp32 value, an optimizer state, a buff
 with its shape and dtype and the pieces that hold it: each piece is a run of `length` elements of
 the flattened tensor, from element `start`, stored in `file` at absolute byte `offset`. Each file
 is also described by its size and a CRC-32 per `chunk_bytes` block, so a reader checks exactly the
-blocks it reads and `verify` checks them all. See docs/checkpoint-format.md.
+blocks it reads and `verify` checks them all. The manifest carries a sha256 of its own canonical
+JSON (`checksum`), and `checkpoint_problems` validates every field a reader uses before anything is
+read: load, inspect, consolidate and `verify` all go through it. See docs/checkpoint-format.md.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import json
+import logging
+import math
 import os
 import struct
 import zlib
@@ -20,9 +26,19 @@ from typing import Any
 
 import torch
 
+logger = logging.getLogger("shardspeed")
+
 FORMAT = "shardspeed-checkpoint"
-VERSION = 1
+# Version 2 manifests carry `checksum`. Version 1 ones (written before it existed) are still read,
+# with a warning, their fields validated like any other's.
+VERSION = 2
+UNCHECKSUMMED_VERSION = 1
+UNCHECKSUMMED_WARNING = (
+    "written by an earlier shardspeed, without a checksum: its fields are valid, but an edit of "
+    "their values cannot be detected; save the state again to add one"
+)
 MANIFEST = "manifest.json"
+CHECKSUM = "checksum"
 CHUNK_BYTES = 4 << 20
 
 DTYPES = {
@@ -98,6 +114,21 @@ def write_json_atomic(path: Path, value: Any) -> None:
     fsync_dir(path.parent)
 
 
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """ "sha256:<hex>" of the manifest's canonical JSON (sorted keys, no spaces), less `checksum`."""
+    body = {k: v for k, v in manifest.items() if k != CHECKSUM}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Write `directory/manifest.json` atomically with its checksum, taken over the JSON a reader
+    will parse (tuples become lists, dict keys strings), so the reader computes the same."""
+    value = json.loads(json.dumps(manifest))
+    value[CHECKSUM] = manifest_checksum(value)
+    write_json_atomic(directory / MANIFEST, value)
+
+
 # -- reading --------------------------------------------------------------------------------------
 
 
@@ -135,6 +166,34 @@ class Piece:
         return cls(*value)
 
 
+def tensor_file(directory: Path, name: Any) -> Path:
+    """`directory/name` for a file name read from a manifest or index, refused (naming it) unless it
+    is one plain name of a file inside `directory`: no `..`, no absolute path, no separator, no
+    symbolic link leading out."""
+    plain = (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\\0")
+    )
+    path = directory / name if plain else None
+    if path is None or (
+        path.exists() and Path(os.path.realpath(path)).parent != Path(os.path.realpath(directory))
+    ):
+        raise CheckpointError(
+            f"{directory}: file name {name!r} does not name a file inside the checkpoint directory "
+            "(refused: a checkpoint reads only its own files)"
+        )
+    return path
+
+
+def _size_mismatch(path: Path, size: int, expected: int) -> str:
+    return f"{path}: {size} bytes, the manifest says {expected} (truncated or replaced)"
+
+
+def _crc_mismatch(path: Path, start: int, end: int) -> str:
+    return f"{path}: checksum mismatch in bytes {start}..{end} (the file is corrupt)"
+
+
 class ByteReader:
     """Reads byte ranges of the files of one directory, checking each CRC-32 block it touches."""
 
@@ -143,9 +202,42 @@ class ByteReader:
         self.files = files  # None: no checksums (a foreign file, such as a Hugging Face export)
         self._checked: set[tuple[str, int]] = set()
         self._sizes_checked: set[str] = set()
+        self._paths: dict[str, Path] = {}
+        self._headers: dict[str, tuple[dict[str, Any], int]] = {}
+
+    def path(self, name: str) -> Path:
+        if name not in self._paths:
+            if self.files is not None and name not in self.files:
+                raise CheckpointError(f"{self.directory / MANIFEST}: file {name!r} is not listed")
+            self._paths[name] = tensor_file(self.directory, name)
+        return self._paths[name]
+
+    def header(self, name: str) -> tuple[dict[str, Any], int]:
+        """File `name`'s safetensors header (its blocks checked) and the byte where data starts."""
+        if name not in self._headers:
+            (size,) = struct.unpack("<Q", self._read(name, 0, 8))
+            if size > 100 << 20:
+                raise CheckpointError(
+                    f"{self.path(name)}: corrupt safetensors header (length {size})"
+                )
+            try:
+                header = json.loads(self._read(name, 8, size))
+            except ValueError as err:
+                raise CheckpointError(
+                    f"{self.path(name)}: corrupt safetensors header ({err})"
+                ) from err
+            if not isinstance(header, dict):
+                raise CheckpointError(f"{self.path(name)}: corrupt safetensors header")
+            self._headers[name] = header, 8 + size
+        return self._headers[name]
 
     def read(self, name: str, offset: int, length: int) -> bytes:
-        path = self.directory / name
+        """Bytes [offset, offset + length) of file `name`: tensor data (headers are read apart,
+        so what a rank reads of tensors can be counted here)."""
+        return self._read(name, offset, length)
+
+    def _read(self, name: str, offset: int, length: int) -> bytes:
+        path = self.path(name)
         if not path.exists():
             raise CheckpointError(f"{path}: missing")
         if self.files is None:
@@ -157,15 +249,11 @@ class ByteReader:
                     f"{path}: truncated (wanted bytes {offset}..{offset + length})"
                 )
             return data
-        info = self.files.get(name)
-        if info is None:
-            raise CheckpointError(f"{path}: not listed in the manifest")
+        info = self.files[name]
         if name not in self._sizes_checked:
             size = path.stat().st_size
             if size != info["bytes"]:
-                raise CheckpointError(
-                    f"{path}: {size} bytes, the manifest says {info['bytes']} (truncated or replaced)"
-                )
+                raise CheckpointError(_size_mismatch(path, size, info["bytes"]))
             self._sizes_checked.add(name)
         chunk = info["chunk_bytes"]
         first, last = offset // chunk, (offset + length - 1) // chunk
@@ -182,17 +270,15 @@ class ByteReader:
                 continue
             block = blocks[(i - first) * chunk : (i - first + 1) * chunk]
             if zlib.crc32(block) != info["crc32"][i]:
-                raise CheckpointError(
-                    f"{path}: checksum mismatch in bytes {i * chunk}..{i * chunk + len(block)} "
-                    "(the file is corrupt)"
-                )
+                raise CheckpointError(_crc_mismatch(path, i * chunk, i * chunk + len(block)))
             self._checked.add((name, i))
         start = offset - first * chunk
         return blocks[start : start + length]
 
 
 def verify_files(directory: Path, files: dict[str, dict[str, Any]]) -> list[str]:
-    """Every problem with the files of a tag: missing, wrong size, or a block whose CRC differs."""
+    """Every problem with the files of a tag: missing, wrong size, or a block whose CRC differs
+    (`files` as validated by `checkpoint_problems`)."""
     problems = []
     for name, info in sorted(files.items()):
         path = directory / name
@@ -200,18 +286,14 @@ def verify_files(directory: Path, files: dict[str, dict[str, Any]]) -> list[str]
             problems.append(f"{path}: missing")
             continue
         if path.stat().st_size != info["bytes"]:
-            problems.append(
-                f"{path}: {path.stat().st_size} bytes, the manifest says {info['bytes']}"
-            )
+            problems.append(_size_mismatch(path, path.stat().st_size, info["bytes"]))
             continue
         with open(path, "rb") as f:
             for i, expected in enumerate(info["crc32"]):
                 block = f.read(info["chunk_bytes"])
                 if zlib.crc32(block) != expected:
                     start = i * info["chunk_bytes"]
-                    problems.append(
-                        f"{path}: checksum mismatch in bytes {start}..{start + len(block)}"
-                    )
+                    problems.append(_crc_mismatch(path, start, start + len(block)))
     return problems
 
 
@@ -349,7 +431,7 @@ class StoredTensors:
         if self._where is None:
             self._where = {}
             for name in self.reader.files or {}:
-                header, start = read_header(self.reader.directory / name)
+                header, start = self.reader.header(name)
                 for k, entry in header.items():
                     if k != "__metadata__":
                         self._where[k] = (name, start, entry)
@@ -364,18 +446,467 @@ class StoredTensors:
         return flat.view(entry["shape"])
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """A tag's manifest, checked to be one this version reads."""
+# -- the manifest, validated ----------------------------------------------------------------------
+
+_NONE = type(None)
+_JSON_TYPES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    dict: "an object",
+    list: "a list",
+    _NONE: "null",
+    object: "a value",
+}
+# Every section a reader uses, with its JSON type.
+_SECTIONS: dict[str, tuple[type, ...]] = {
+    "format": (str,),
+    "version": (int,),
+    "tag": (str,),
+    "written_by": (dict,),
+    "aliases": (dict,),
+    "files": (dict,),
+    "tensors": (dict,),
+    "splits": (dict,),
+    "ranks": (list,),
+    "optimizer": (dict,),
+    "loss_scaler": (dict,),
+    "lr_scheduler": (dict, _NONE),
+    "counters": (dict,),
+    "data_loader": (dict, _NONE),
+    "client_state": (object,),
+}
+_WRITTEN_BY = {
+    "world_size": int,
+    "dp_world_size": int,
+    "zero_stage": int,
+    "model_dtype": str,
+    "exclude_frozen_parameters": bool,
+}
+# A load sets these engine attributes from `counters`; nothing else may be named there.
+COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps", "_first_micro_step")
+_DYNAMIC_SCALER = {
+    "cur_scale": float,
+    "cur_iter": int,
+    "last_overflow_iter": int,
+    "cur_hysteresis": int,
+}
+_DATA_LOADER = {"epoch": int, "passes": int, "samples_consumed": int, "in_pass": bool}
+
+
+def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
+    """isinstance for JSON values: a bool is no int, an int is a float."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool):
+        return bool in kinds or object in kinds
+    return any(
+        isinstance(value, int | float) if k is float else isinstance(value, k) for k in kinds
+    )
+
+
+def _count(value: Any) -> bool:
+    return _is(value, int) and value >= 0
+
+
+def parse_manifest(path: Path) -> Any:
+    """The JSON of tag directory `path`'s manifest, not yet validated."""
     file = path / MANIFEST
     try:
-        manifest = json.loads(file.read_text())
+        return json.loads(file.read_bytes())
     except FileNotFoundError as err:
-        raise CheckpointError(f"{file}: missing") from err
+        raise CheckpointError(f"{file}: missing (no checkpoint there)") from err
     except ValueError as err:
-        raise CheckpointError(f"{file}: corrupt ({err})") from err
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointError(
-            f"{file}: not a {FORMAT} version {VERSION} manifest "
-            f"(format {manifest.get('format')!r}, version {manifest.get('version')!r})"
+            f"{file}: not JSON ({err}): the manifest is corrupt; load another tag"
+        ) from err
+
+
+class _Problems:
+    """Problems found in one manifest, each naming the manifest file and the field."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = path / MANIFEST
+        self.lines: list[str] = []
+
+    def add(self, field: str, message: str) -> None:
+        self.lines.append(f"{self.file}: {field}: {message}")
+
+    def typed(self, field: str, value: Any, kind: type | tuple[type, ...]) -> bool:
+        if _is(value, kind):
+            return True
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        names = " or ".join(_JSON_TYPES[k] for k in kinds)
+        self.add(field, f"is {json.dumps(value)[:60]}, not {names}")
+        return False
+
+
+def checkpoint_problems(path: Path, manifest: Any, every_block: bool = False) -> list[str]:
+    """Everything wrong with the checkpoint in tag directory `path` whose manifest is `manifest`.
+
+    The one validation that load, inspect, consolidate and `verify` share: the checksum (version 2),
+    every section a reader uses and its type, file names (plain names inside `path`), each file's
+    size and the CRC-32 blocks of its safetensors header (`every_block`: all its blocks), and every
+    piece: in a listed file, inside one stored tensor of the same dtype, the pieces of a tensor
+    covering it exactly once; tensor-parallel splits; optimizer states matching their parameters.
+    What needs the model (shapes, optimizer states a load needs) is checked at load.
+    """
+    found = _Problems(path)
+    if not isinstance(manifest, dict):
+        found.add("(top level)", "is not a JSON object")
+        return found.lines
+    version = manifest.get("version")
+    if manifest.get("format") != FORMAT or version not in (UNCHECKSUMMED_VERSION, VERSION):
+        found.add(
+            "format, version",
+            f"{manifest.get('format')!r} version {version!r} is not a {FORMAT} manifest of "
+            f"version {UNCHECKSUMMED_VERSION} or {VERSION} (written by another program or a newer "
+            "shardspeed?)",
         )
+        return found.lines
+    if CHECKSUM in manifest or version != UNCHECKSUMMED_VERSION:
+        if CHECKSUM not in manifest:
+            found.add(CHECKSUM, f"missing, which a version {version} manifest always has")
+        elif manifest[CHECKSUM] != manifest_checksum(manifest):
+            found.add(
+                CHECKSUM,
+                f"{str(manifest[CHECKSUM])[:80]!r} does not match the manifest's content "
+                f"({manifest_checksum(manifest)}): the manifest was edited or is corrupt",
+            )
+    sections = {}
+    for key, kind in _SECTIONS.items():
+        if key not in manifest:
+            found.add(key, "missing")
+        elif found.typed(key, manifest[key], kind):
+            sections[key] = manifest[key]
+    _check_state(found, sections)
+    files = _check_files(found, path, sections.get("files", {}))
+    damaged: set[str] = set()
+    if every_block:
+        for line in verify_files(path, files):
+            found.lines.append(line)
+            damaged.update(n for n in files if line.startswith(f"{path / n}:"))
+    ranges = _stored_ranges(found, path, {n: i for n, i in files.items() if n not in damaged})
+    tensors = _check_tensors(found, sections.get("tensors", {}), files, ranges)
+    splits = _check_splits(found, sections.get("splits", {}), tensors)
+    parts = {n: names for n, (_, names) in splits.items()}
+    frozen = _frozen_names(sections.get("tensors", {}), tensors, parts, ranges)
+    _check_optimizer_states(found, tensors, splits, frozen)
+    return found.lines
+
+
+def _check_state(found: _Problems, sections: dict[str, Any]) -> None:
+    """The JSON state a load restores: writer facts, counters, optimizer, scaler, loader, RNG."""
+    written_by = sections.get("written_by")
+    if written_by is not None:
+        for key, kind in _WRITTEN_BY.items():
+            found.typed(f"written_by.{key}", written_by.get(key), kind)
+        if written_by.get("model_dtype") not in DTYPES:
+            found.add("written_by.model_dtype", f"unknown dtype {written_by.get('model_dtype')!r}")
+    for key, value in sections.get("counters", {}).items():
+        if key not in COUNTERS:
+            found.add(f"counters.{key}", f"unknown counter (known: {', '.join(COUNTERS)})")
+        elif not _count(value):
+            found.add(f"counters.{key}", f"is {value!r}, not a count")
+    optimizer = sections.get("optimizer")
+    if optimizer is not None:
+        found.typed("optimizer.type", optimizer.get("type"), str)
+        groups = optimizer.get("groups")
+        if found.typed("optimizer.groups", groups, list):
+            for g, group in enumerate(groups):
+                if found.typed(f"optimizer.groups[{g}]", group, dict):
+                    found.typed(f"optimizer.groups[{g}].hyper", group.get("hyper"), dict)
+                    found.typed(f"optimizer.groups[{g}].scalars", group.get("scalars"), dict)
+    scaler = sections.get("loss_scaler")
+    if scaler is not None and scaler.get("dynamic"):
+        for key, kind in _DYNAMIC_SCALER.items():
+            found.typed(f"loss_scaler.{key}", scaler.get(key), kind)
+    if sections.get("data_loader") is not None:
+        for key, kind in _DATA_LOADER.items():
+            found.typed(f"data_loader.{key}", sections["data_loader"].get(key), kind)
+    for r, rank in enumerate(sections.get("ranks", [])):
+        if found.typed(f"ranks[{r}]", rank, dict) and found.typed(
+            f"ranks[{r}].rng", rank.get("rng"), dict
+        ):
+            for key in ("torch", "python"):
+                if key not in rank["rng"]:
+                    found.add(f"ranks[{r}].rng.{key}", "missing")
+    for alias, saved in sections.get("aliases", {}).items():
+        found.typed(f"aliases[{alias!r}]", saved, str)
+
+
+def _check_files(found: _Problems, path: Path, files: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The well-formed entries of `files`, whose names are plain names inside `path`."""
+    good = {}
+    for name, info in files.items():
+        field = f"files[{name!r}]"
+        try:
+            tensor_file(path, name)
+        except CheckpointError:
+            found.add(
+                field,
+                "does not name a file inside the tag directory (refused: no `..`, absolute path, "
+                "separator, or symbolic link leading out)",
+            )
+            continue
+        if not found.typed(field, info, dict):
+            continue
+        kinds = {"bytes": int, "chunk_bytes": int, "crc32": list}
+        if not all(found.typed(f"{field}.{k}", info.get(k), kind) for k, kind in kinds.items()):
+            continue
+        if info["bytes"] < 8 or info["chunk_bytes"] <= 0:
+            found.add(
+                field, f"bytes {info['bytes']}, chunk_bytes {info['chunk_bytes']}: impossible"
+            )
+            continue
+        blocks = math.ceil(info["bytes"] / info["chunk_bytes"])
+        crcs = info["crc32"]
+        if len(crcs) != blocks or not all(_is(c, int) and 0 <= c < 1 << 32 for c in crcs):
+            found.add(f"{field}.crc32", f"is not {blocks} CRC-32 values, one per block")
+            continue
+        good[name] = info
+    return good
+
+
+def _stored_ranges(found: _Problems, path: Path, files: dict[str, dict[str, Any]]) -> dict:
+    """Per file whose header reads, its stored tensors' byte ranges: sorted
+    [(start, end, dtype, key)]. The header's own blocks are checked first."""
+    reader = ByteReader(path, files)
+    ranges = {}
+    for name in files:
+        try:
+            header, data_start = reader.header(name)
+            entries = []
+            for key, entry in header.items():
+                if key != "__metadata__":
+                    lo, hi = entry["data_offsets"]
+                    entries.append((data_start + lo, data_start + hi, entry["dtype"], key))
+            ranges[name] = sorted(entries)
+        except CheckpointError as err:
+            found.lines.append(str(err))
+        except (KeyError, TypeError, IndexError, ValueError):
+            found.lines.append(f"{path / name}: corrupt safetensors header")
+    return ranges
+
+
+def _check_tensors(
+    found: _Problems,
+    tensors: dict[str, Any],
+    files: dict[str, dict[str, Any]],
+    ranges: dict[str, list[tuple[int, int, str, str]]],
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each tensor's shape, dtype and pieces; returns {name: (shape, dtype)} of the good ones."""
+    good = {}
+    for name, entry in tensors.items():
+        field = f"tensors[{name!r}]"
+        if not found.typed(field, entry, dict):
+            continue
+        shape, dtype = entry.get("shape"), entry.get("dtype")
+        if not (
+            found.typed(f"{field}.shape", shape, list) and found.typed(f"{field}.dtype", dtype, str)
+        ):
+            continue
+        if not all(_count(n) for n in shape):
+            found.add(f"{field}.shape", f"{shape} is not a list of sizes")
+            continue
+        if dtype not in DTYPES:
+            found.add(f"{field}.dtype", f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+            continue
+        pieces = entry.get("pieces")
+        if found.typed(f"{field}.pieces", pieces, list) and _check_pieces(
+            found, field, pieces, math.prod(shape), dtype, files, ranges
+        ):
+            good[name] = tuple(shape), dtype
+    return good
+
+
+def _check_pieces(
+    found: _Problems,
+    field: str,
+    pieces: list[Any],
+    numel: int,
+    dtype: str,
+    files: dict[str, dict[str, Any]],
+    ranges: dict[str, list[tuple[int, int, str, str]]],
+) -> bool:
+    """Whether every piece is well placed and together they cover the `numel` elements once."""
+    before = len(found.lines)
+    covered = []
+    itemsize = DTYPES[dtype].itemsize
+    for i, raw in enumerate(pieces):
+        where = f"{field}.pieces[{i}]"
+        if not (isinstance(raw, list) and len(raw) == 5):
+            found.add(where, "is not [file, byte offset, start, length, dtype]")
+            continue
+        file, offset, start, length, piece_dtype = raw
+        if file not in files:
+            found.add(where, f"file {file!r} is not a listed, well-formed file of the tag")
+            continue
+        if not all(_count(n) for n in (offset, start, length)):
+            found.add(where, f"byte offset, start and length {raw[1:4]} are not counts")
+            continue
+        if piece_dtype != dtype:
+            found.add(where, f"dtype {piece_dtype!r} is not the tensor's {dtype!r}")
+            continue
+        end = offset + length * itemsize
+        if end > files[file]["bytes"]:
+            found.add(
+                where,
+                f"bytes {offset}..{end} lie past the end of {file} ({files[file]['bytes']} bytes)",
+            )
+            continue
+        covered.append((start, start + length))
+        if length == 0 or file not in ranges:
+            continue
+        stored = ranges[file]
+        k = bisect.bisect_right(stored, (offset, math.inf)) - 1
+        if k < 0 or not (stored[k][0] <= offset and end <= stored[k][1]):
+            found.add(where, f"bytes {offset}..{end} are not inside one tensor stored in {file}")
+        elif stored[k][2] != dtype or (offset - stored[k][0]) % itemsize:
+            found.add(
+                where,
+                f"bytes {offset}..{end} lie in {file}'s {stored[k][2]} tensor {stored[k][3]!r}, "
+                f"not on a {dtype} element",
+            )
+    if len(found.lines) > before:
+        return False
+    covered.sort()
+    position = 0
+    for lo, hi in covered:
+        if hi == lo:
+            continue
+        if lo != position:
+            break
+        position = hi
+    if position != numel or sum(hi - lo for lo, hi in covered) != numel:
+        found.add(f"{field}.pieces", f"do not cover its {numel} elements exactly once")
+        return False
+    return True
+
+
+def _check_splits(
+    found: _Problems, splits: dict[str, Any], tensors: dict[str, tuple[tuple[int, ...], str]]
+) -> dict[str, tuple[tuple[int, ...], list[str]]]:
+    """Each split's parts exist with one shape and dtype, and `dim`/`stride` fit that shape;
+    returns {name: (whole shape, parts)} of the good ones."""
+    good = {}
+    for name, split in splits.items():
+        field = f"splits[{name!r}]"
+        if not found.typed(field, split, dict):
+            continue
+        dim, stride, parts = split.get("dim"), split.get("stride"), split.get("parts")
+        if not (
+            found.typed(f"{field}.dim", dim, int)
+            and found.typed(f"{field}.stride", stride, int)
+            and found.typed(f"{field}.parts", parts, list)
+        ):
+            continue
+        if name in tensors:
+            found.add(field, "names a tensor that is also stored whole")
+        elif not parts or not all(isinstance(p, str) and p in tensors for p in parts):
+            found.add(f"{field}.parts", f"{parts} are not all valid tensors of the checkpoint")
+        elif len({tensors[p] for p in parts}) != 1:
+            found.add(f"{field}.parts", "differ in shape or dtype")
+        elif not (0 <= dim < len(shape := tensors[parts[0]][0]) and stride >= 1):
+            found.add(
+                field, f"dim {dim}, stride {stride} do not fit the parts' shape {list(shape)}"
+            )
+        elif shape[dim] % stride:
+            found.add(field, f"stride {stride} does not divide the parts' size {shape[dim]}")
+        else:
+            whole = list(shape)
+            whole[dim] *= len(parts)
+            good[name] = tuple(whole), parts
+    return good
+
+
+def _frozen_names(
+    raw: dict[str, Any],
+    tensors: dict[str, tuple[tuple[int, ...], str]],
+    splits: dict[str, list[str]],
+    ranges: dict[str, list[tuple[int, int, str, str]]],
+) -> set[str]:
+    """Parameters saved frozen: each stored whole at the start of the writer's `frozen.<name>`
+    tensor (a tensor-parallel one, every part so). `raw`: the manifest's tensors section,
+    `tensors` its valid entries, `splits` the parts of each valid split."""
+
+    frozen_starts = {
+        (file, start)
+        for file, stored in ranges.items()
+        for start, _, _, key in stored
+        if key.startswith("frozen.")
+    }
+
+    def stored_frozen(logical: str) -> bool:
+        if logical not in tensors or len(raw[logical]["pieces"]) != 1:
+            return False
+        return tuple(raw[logical]["pieces"][0][:2]) in frozen_starts
+
+    names = {n for n in tensors if stored_frozen(n)}
+    names |= {n for n, parts in splits.items() if all(map(stored_frozen, parts))}
+    return {n[len("param/") :] for n in names if n.startswith("param/")}
+
+
+def _check_optimizer_states(
+    found: _Problems,
+    tensors: dict[str, tuple[tuple[int, ...], str]],
+    splits: dict[str, tuple[tuple[int, ...], list[str]]],
+    frozen: set[str],
+) -> None:
+    """Each `optim/<state>/<name>` has a `param/<name>` of its shape, and every parameter saved
+    as trained (not frozen) has every state: a missing entry was deleted, and must not load as
+    zeros."""
+    shapes = {n: shape for n, (shape, _) in tensors.items() if not n.startswith("tp/")}
+    shapes.update((n, shape) for n, (shape, _) in splits.items())
+    states = set()
+    for name, shape in shapes.items():
+        if not name.startswith("optim/"):
+            continue
+        state, _, param = name[len("optim/") :].partition("/")
+        states.add(state)
+        if not state or not param:
+            found.add(f"tensors[{name!r}]", "is not named optim/<state>/<parameter>")
+        elif shapes.get(f"param/{param}") != shape:
+            found.add(
+                f"tensors[{name!r}]",
+                f"has shape {list(shape)}, its parameter 'param/{param}' "
+                f"{list(shapes[f'param/{param}']) if f'param/{param}' in shapes else 'is missing'}",
+            )
+    trained = sorted(
+        n[len("param/") :]
+        for n in shapes
+        if n.startswith("param/") and n[len("param/") :] not in frozen
+    )
+    for param in trained:
+        for state in sorted(states):
+            if f"optim/{state}/{param}" not in shapes:
+                found.add(
+                    f"tensors['optim/{state}/{param}']",
+                    f"missing: the optimizer state '{state}' of trained parameter '{param}'",
+                )
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Tag directory `path`'s manifest, refused with a `CheckpointError` listing what is wrong
+    unless `checkpoint_problems` finds nothing."""
+    manifest = parse_manifest(path)
+    problems = checkpoint_problems(path, manifest)
+    if problems:
+        tag = manifest.get("tag") if isinstance(manifest, dict) else None
+        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise CheckpointError(
+            f"checkpoint {tag if isinstance(tag, str) else path.name!r} cannot be read: "
+            f"{'; '.join(problems[:5])}{more}. Load another tag, or restore this one from a "
+            f"copy (`shardspeed-ckpt verify {path}` lists every problem)"
+        )
+    if CHECKSUM not in manifest:
+        logger.warning(f"{path / MANIFEST}: {UNCHECKSUMMED_WARNING}")
     return manifest
+
+
+def frozen_parameter_names(path: Path, manifest: dict[str, Any]) -> set[str]:
+    """Parameters saved frozen in tag directory `path`, whose validated manifest is `manifest`."""
+    tensors = {n: (tuple(e["shape"]), e["dtype"]) for n, e in manifest["tensors"].items()}
+    parts = {n: split["parts"] for n, split in manifest["splits"].items()}
+    ranges = _stored_ranges(_Problems(path), path, manifest["files"])
+    return _frozen_names(manifest["tensors"], tensors, parts, ranges)

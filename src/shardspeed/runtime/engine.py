@@ -24,6 +24,7 @@ from .. import checkpointing
 from ..accelerator import get_accelerator
 from ..autotuning.metric import AutotuningMeter
 from ..checkpoint import load_engine, save_engine
+from ..checkpoint import lock as checkpoint_lock
 from ..checkpoint.values import all_gather_json
 from ..comm import Topology, all_reduce, barrier, configure_comms_logger, get_local_rank
 from ..config import ShardSpeedConfig, optimizer_params, scheduler_params
@@ -899,10 +900,11 @@ class ShardSpeedEngine(nn.Module):
 
     def destroy(self) -> None:
         """Release what the engine holds outside Python's objects: gradient hooks, swap files,
-        monitor files."""
+        monitor files, checkpoint directory locks."""
         if self.optimizer is not None:
             self.optimizer.close()
         self.monitor.close()
+        checkpoint_lock.release_all()
 
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:
