@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import shardspeed
 from reference_training import batch, config, make_model
 from shardspeed.checkpoint import CheckpointError, fp32_state_dict, lock, resolve_tag
+from shardspeed.checkpoint.format import write_manifest
 from shardspeed.testing import RankPool
 
 SCENARIOS = (("new_tag", "t2"), ("resaved_tag", "t1"))  # saved after tag t1 holds the old state
@@ -138,6 +139,21 @@ def _params(engine: Any) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
 
+def _copy_while_written(source: Path, destination: Path) -> None:
+    """Copy `source` while another rank may be writing its own file into the save's partial
+    directory: a file there that goes (renamed or removed) between listing and copying is left
+    out of the copy, as a crash at that moment could leave it. Anywhere else, a copy error fails."""
+    try:
+        shutil.copytree(source, destination)
+    except shutil.Error as errors:
+        for src, _, why in errors.args[0]:
+            if (
+                ".partial" not in Path(src).relative_to(source).parts[0]
+                or "No such file" not in why
+            ):
+                raise
+
+
 def record_saves(root: str, stage: int) -> dict[str, Any]:
     """Save tag t1 (the old state) into `root/old`, train a step, then for each scenario save the
     new state into a copy of `root/old`, copying the directory before every file-system step."""
@@ -158,7 +174,7 @@ def record_saves(root: str, stage: int) -> dict[str, Any]:
 
         def snapshot(n: int, what: str, target: Path = target, done: list = done) -> None:
             done.append(what)
-            shutil.copytree(target, target.parent / "crashes" / f"rank{rank}-step{n:03d}")
+            _copy_while_written(target, target.parent / "crashes" / f"rank{rank}-step{n:03d}")
 
         with FileSystemSteps(snapshot):
             engine.save_checkpoint(str(target), tag=tag)
@@ -289,6 +305,40 @@ def test_a_save_rank_0_cannot_start_fails_on_every_rank_within_seconds(pool2, tm
     assert max(seconds_0, seconds_1) < 5 and message_1 == message
     assert message.startswith(f"saving checkpoint 't1' to {not_a_dir} failed (rank 0: ")
     assert f"{not_a_dir}" in message.split("(rank 0: ")[1], message
+
+
+def _failed_load(directories: list[str], stage: int) -> tuple[float, str]:
+    """(seconds this rank's load took before it raised, its message); each rank its own copy."""
+    engine = _build(stage)
+    start = time.monotonic()
+    with pytest.raises(CheckpointError) as failure:
+        engine.load_checkpoint(directories[dist.get_rank()])
+    return time.monotonic() - start, str(failure.value)
+
+
+def test_a_load_failing_on_one_rank_fails_on_every_rank_within_seconds(pool2, saved, tmp_path):
+    """Rank 1's copy is valid as a file (checksum rewritten) but holds a tensor of another shape
+    than the model's: only rank 1 finds out, while reading parameters; rank 0 must not go on
+    into the collectives that publish them."""
+    both = saved["root"] / "new_tag" / "ckpt"
+    seen_by_0, seen_by_1 = tmp_path / "rank0_view", tmp_path / "rank1_view"
+    shutil.copytree(both, seen_by_0)
+    shutil.copytree(both, seen_by_1)
+    manifest = json.loads((seen_by_1 / "t2" / "manifest.json").read_text())
+    name = next(n for n, e in manifest["tensors"].items() if len(e["shape"]) == 2)
+    param = name.split("/")[-1]
+    for key, entry in manifest["tensors"].items():  # the parameter and its optimizer states
+        if key.split("/")[-1] == param:
+            entry["shape"] = entry["shape"][::-1]  # same element count: the pieces still cover it
+    del manifest["checksum"]
+    write_manifest(seen_by_1 / "t2", manifest)
+    failed = pool2.run(_failed_load, [str(seen_by_0), str(seen_by_1)], 2, timeout=60)
+    (seconds_0, message), (seconds_1, message_1) = failed
+    # The same error (rank 1's), each rank naming the directory it was given.
+    assert max(seconds_0, seconds_1) < 5
+    assert message.split(" failed (", 1)[1] == message_1.split(" failed (", 1)[1]
+    assert "rank 1: " in message and f"tensors['param/{param}'].shape" in message, message
+    assert "rank 0: " not in message, message
 
 
 # --- one tag for all ranks --------------------------------------------------------------------------

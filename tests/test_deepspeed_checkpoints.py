@@ -214,3 +214,27 @@ def test_deepspeed_checkpoint_names_import_under_the_alias() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
+
+
+def _load_own_copy(directories: list[str]) -> tuple[str, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    engine, *_ = shardspeed.initialize(model=model, config=config(2, "fp32", 2, 1))
+    path, _ = engine.load_checkpoint(directories[torch.distributed.get_rank()])
+    return Path(path).name, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_deepspeed_latest_is_read_by_rank_0_alone(pool2, tmp_path: Path) -> None:
+    """Rank 1's `latest` names a tag that is not there (it moved between the ranks' reads): the
+    ranks still load the one tag rank 0 found."""
+    import shutil
+
+    seen_by_0, seen_by_1 = tmp_path / "rank0_view", tmp_path / "rank1_view"
+    shutil.copytree(HERE / "z1_fp32_ws2", seen_by_0)
+    shutil.copytree(HERE / "z1_fp32_ws2", seen_by_1)
+    (seen_by_1 / "latest").write_text("global_step99")
+    (name_0, params_0), (name_1, params_1) = pool2.run(
+        _load_own_copy, [str(seen_by_0), str(seen_by_1)]
+    )
+    assert name_0 == name_1 == f"global_step{STEPS_SAVED}"
+    assert all(torch.equal(params_0[n], params_1[n]) for n in params_0)

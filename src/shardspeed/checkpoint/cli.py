@@ -190,11 +190,8 @@ def _verify(args: argparse.Namespace) -> int:
             problems.append(f"{root / LATEST}: names tag '{latest}', which has no {MANIFEST}")
     elif args.tag is None and (root / MANIFEST).exists():
         tags = [root]
-    else:
-        tag = args.tag if args.tag is not None else _latest(root)
-        if tag is None:
-            raise CheckpointError(f"{root}: no '{LATEST}' file (name a tag with --tag, or --all)")
-        tags = [root / tag]
+    else:  # the directory a load would read (a re-saved tag's newest copy, `latest` checked)
+        tags = [checkpoint_path(root, args.tag)]
     for path in tags:
         if not path.is_dir():
             problems.append(f"{path}: missing")

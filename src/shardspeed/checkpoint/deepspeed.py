@@ -41,7 +41,15 @@ from typing import Any
 
 import torch
 
-from .format import FORMAT, MANIFEST, VERSION, CheckpointError, write_manifest, write_tensor_file
+from .format import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    check_tag_name,
+    write_manifest,
+    write_tensor_file,
+)
 from .values import encode
 
 logger = logging.getLogger("shardspeed")
@@ -234,7 +242,9 @@ def deepspeed_tag_dir(load_dir: Path, tag: str | None) -> Path | None:
                 break
         else:
             return None
-    path = load_dir / str(tag)
+    tag = str(tag)
+    check_tag_name(tag, load_dir)
+    path = load_dir / tag
     return path if is_deepspeed_checkpoint(path) else None
 
 

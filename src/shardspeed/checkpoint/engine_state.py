@@ -28,15 +28,17 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..comm import barrier, get_rank, get_world_size
+from ..comm import get_rank, get_world_size
 from ..zero.offload import per_element
 from . import lock
-from .deepspeed import imported
+from .deepspeed import deepspeed_tag_dir, imported
 from .format import (
     DTYPE_NAMES,
     DTYPES,
@@ -49,6 +51,7 @@ from .format import (
     Split,
     StoredTensors,
     TensorSource,
+    check_tag_name,
     fsync_dir,
     read_manifest,
     write_manifest,
@@ -83,16 +86,12 @@ def save_engine(
     check_tag_name(tag, root)
     partial = root / f".{tag}.partial"
     rank = get_rank()
-    error = None
-    if rank == 0:
-        try:
+    doing = f"saving checkpoint '{tag}' to {root}"
+    with _agreed(doing):
+        if rank == 0:
             lock.acquire(root)
             shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
             partial.mkdir()
-        except Exception as err:  # reported to every rank, then raised everywhere
-            error = _error_text(err)
-    doing = f"saving checkpoint '{tag}' to {root}"
-    _raise_if_any_failed(all_gather_json({"rank": rank, "error": error}), doing)
 
     report: dict[str, Any] = {"rank": rank, "error": None}
     try:
@@ -135,6 +134,31 @@ def _raise_if_any_failed(reports: list[dict[str, Any]], doing: str) -> None:
     if failed:
         details = "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed)
         raise CheckpointError(f"{doing} failed ({details})")
+
+
+@contextmanager
+def _agreed(doing: str) -> Iterator[None]:
+    """Run the body (which must hold no collective) on every rank, then raise any rank's error on
+    all of them: a rank that fails alone never leaves the others waiting in a later collective."""
+    report: dict[str, Any] = {"rank": get_rank(), "error": None}
+    try:
+        yield
+    except Exception as err:
+        report["error"] = _error_text(err)
+    _raise_if_any_failed(all_gather_json(report), doing)
+
+
+def _decided_by_rank_0(decide: Callable[[], Any], doing: str) -> Any:
+    """`decide()` run on rank 0 alone, its result (JSON) or its error shared with every rank."""
+    found: dict[str, Any] = {"rank": 0, "value": None, "error": None}
+    if get_rank() == 0:
+        try:
+            found["value"] = decide()
+        except Exception as err:
+            found["error"] = _error_text(err)
+    found = all_gather_json(found)[0]
+    _raise_if_any_failed([found], doing)
+    return found["value"]
 
 
 def _agreed_tag(tag: str, mode: str) -> str:
@@ -502,16 +526,6 @@ def read_latest(root: Path) -> str | None:
         return None
 
 
-def check_tag_name(name: str, root: Path, what: str | None = None) -> None:
-    """Refuse a tag (or what `latest` names) that is not one directory name inside `root`."""
-    if name in ("", ".", "..") or "/" in name or os.sep in name or "\0" in name:
-        what = what or f"tag '{name}'"
-        raise CheckpointError(
-            f"{what} is not a directory inside {root}: a checkpoint tag is one directory name "
-            "(not empty, '.' or '..', and no '/')"
-        )
-
-
 def _named(root: Path, tag: str) -> list[tuple[int, Path, str | None]]:
     """The entries of `root` named as a copy of `tag` would be, oldest first: (generation, path,
     the tag its manifest names or None); generation -1 for `.<tag>.old` (left by an earlier
@@ -573,12 +587,23 @@ def load_engine(
         load_lr_scheduler_states,
         load_module_only,
     )
-    with imported(Path(load_dir), tag) as converted:
-        if converted is None:
+    # Rank 0 alone reads DeepSpeed's `latest`, as it does ours (`_load`).
+    deepspeed_tag = _decided_by_rank_0(
+        lambda: _name_of(deepspeed_tag_dir(Path(load_dir), tag)),
+        f"loading checkpoint from {load_dir}",
+    )
+    if deepspeed_tag is None:
+        return _load(engine, load_dir, tag, *options)
+    with imported(Path(load_dir), deepspeed_tag) as converted:
+        if converted is None:  # changed on disk since rank 0 looked
             return _load(engine, load_dir, tag, *options)
         logger.info("loading DeepSpeed checkpoint %s/%s", load_dir, converted[1])
         _, client_state = _load(engine, str(converted[0]), converted[1], *options)
         return str(Path(load_dir) / converted[1]), client_state
+
+
+def _name_of(path: Path | None) -> str | None:
+    return None if path is None else path.name
 
 
 def _load(
@@ -592,28 +617,18 @@ def _load(
 ) -> tuple[str | None, dict[str, Any] | None]:
     # Rank 0 finds the directory and tells the others: every rank reads the same one, even when
     # `latest` changes meanwhile, and all fail alike when there is none.
-    found: dict[str, Any] = {"rank": 0, "name": None, "error": None}
-    if get_rank() == 0:
-        try:
-            path = resolve_tag(load_dir, tag)
-            found["name"] = path.name if path is not None else None
-        except Exception as err:
-            found["error"] = _error_text(err)
-    found = all_gather_json(found)[0]
-    _raise_if_any_failed([found], f"loading checkpoint from {load_dir}")
-    if found["name"] is None:
+    name = _decided_by_rank_0(
+        lambda: _name_of(resolve_tag(load_dir, tag)), f"loading checkpoint from {load_dir}"
+    )
+    if name is None:
         logger.warning(f"no '{LATEST}' file in {load_dir}: nothing loaded")
         return None, None
-    path = Path(load_dir) / found["name"]
-    opened: dict[str, Any] = {"rank": get_rank(), "error": None}
-    try:
+    path = Path(load_dir) / name
+    doing = f"loading checkpoint {path}"
+    with _agreed(doing):
         manifest, source = open_checkpoint(path)
-    except Exception as err:
-        opened["error"] = _error_text(err)
-    _raise_if_any_failed(all_gather_json(opened), f"loading checkpoint {path}")
     if engine.run_config.checkpoint.load_universal:
         logger.info("checkpoint.load_universal: every shardspeed checkpoint is universal already")
-    zopt = engine.optimizer
     pieces = load_parameters(
         engine,
         source,
@@ -625,30 +640,47 @@ def _load(
     stored = StoredTensors(source.reader)
     read_extra = stored.get
 
-    if not load_module_only:
-        if load_optimizer_states:
-            _load_optimizer(
-                zopt, manifest, source, pieces, read_extra, _piece_reader(engine, source)
+    with _agreed(doing):  # also the load's last barrier
+        if not load_module_only:
+            _load_training_state(
+                engine,
+                manifest,
+                source,
+                pieces,
+                read_extra,
+                (load_optimizer_states, load_lr_scheduler_states),
             )
-            zopt.loss_scaler.load_state_dict(decode(manifest["loss_scaler"], read_extra))
-        if (
-            load_lr_scheduler_states
-            and engine.lr_scheduler is not None
-            and manifest["lr_scheduler"]
-        ):
-            engine.lr_scheduler.load_state_dict(decode(manifest["lr_scheduler"], read_extra))
-        for key, value in manifest["counters"].items():
-            setattr(engine, key, value)
-        # Accumulation windows start afresh: the saved count was in the saving run's
-        # accumulation steps, which a load at another world size or batch split changes.
-        engine._first_micro_step = engine.micro_steps
-        if engine.training_dataloader is not None and manifest["data_loader"] is not None:
-            engine.training_dataloader.load_state_dict(manifest["data_loader"])
-        rank = get_rank()
-        if rank < len(manifest["ranks"]):
-            _set_rng_state(decode(manifest["ranks"][rank]["rng"], read_extra))
-    barrier()
-    return str(path), decode(manifest["client_state"], read_extra)
+        client_state = decode(manifest["client_state"], read_extra)
+    return str(path), client_state
+
+
+def _load_training_state(
+    engine: Any,
+    manifest: dict[str, Any],
+    source: TensorSource,
+    pieces: list[list[tuple[str, int, int, int]]],
+    read_extra: Callable[[str], torch.Tensor],
+    options: tuple[bool, bool],
+) -> None:
+    """Optimizer, loss scaler, LR scheduler, counters, data loader position and this rank's RNG,
+    as `options` (load optimizer states, load LR scheduler states) say."""
+    load_optimizer_states, load_lr_scheduler_states = options
+    zopt = engine.optimizer
+    if load_optimizer_states:
+        _load_optimizer(zopt, manifest, source, pieces, read_extra, _piece_reader(engine, source))
+        zopt.loss_scaler.load_state_dict(decode(manifest["loss_scaler"], read_extra))
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and manifest["lr_scheduler"]:
+        engine.lr_scheduler.load_state_dict(decode(manifest["lr_scheduler"], read_extra))
+    for key, value in manifest["counters"].items():
+        setattr(engine, key, value)
+    # Accumulation windows start afresh: the saved count was in the saving run's
+    # accumulation steps, which a load at another world size or batch split changes.
+    engine._first_micro_step = engine.micro_steps
+    if engine.training_dataloader is not None and manifest["data_loader"] is not None:
+        engine.training_dataloader.load_state_dict(manifest["data_loader"])
+    rank = get_rank()
+    if rank < len(manifest["ranks"]):
+        _set_rng_state(decode(manifest["ranks"][rank]["rng"], read_extra))
 
 
 def load_parameters(
@@ -657,10 +689,10 @@ def load_parameters(
     """Read `param/<name>` and `buffer/<name>` from `source` into the engine's model, each rank only
     the element ranges its master tensors hold; returns those ranges (`master_pieces`)."""
     zopt = engine.optimizer
-    _check_names(engine, source, strict, label, exclude_frozen)
     pieces = zopt.master_pieces()
     read = _piece_reader(engine, source)
-    with torch.no_grad():
+    with _agreed(f"loading {label}"), torch.no_grad():
+        _check_names(engine, source, strict, label, exclude_frozen)
         for k, own in enumerate(pieces):
             with zopt.writable_master(k) as flat:
                 for name, start, offset, length in own:

@@ -186,6 +186,16 @@ def tensor_file(directory: Path, name: Any) -> Path:
     return path
 
 
+def check_tag_name(name: str, root: Path, what: str | None = None) -> None:
+    """Refuse a tag (or what `latest` names) that is not one directory name inside `root`."""
+    if name in ("", ".", "..") or "/" in name or os.sep in name or "\0" in name:
+        what = what or f"tag '{name}'"
+        raise CheckpointError(
+            f"{what} is not a directory inside {root}: a checkpoint tag is one directory name "
+            "(not empty, '.' or '..', and no '/')"
+        )
+
+
 def _size_mismatch(path: Path, size: int, expected: int) -> str:
     return f"{path}: {size} bytes, the manifest says {expected} (truncated or replaced)"
 
