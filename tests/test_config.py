@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
+import re
 
 import pytest
 
-from shardspeed.config import ConfigError, load_config, non_default_settings, resolve_batch
+from shardspeed.config import (
+    RULES,
+    ConfigError,
+    RunFacts,
+    ShardSpeedConfig,
+    combination_problems,
+    load_config,
+    non_default_settings,
+    refuse_combinations,
+    resolve_batch,
+)
 from shardspeed.config.loader import optimizer_params, scheduler_params
 
 BASE = {"train_micro_batch_size_per_gpu": 2}
@@ -544,3 +556,111 @@ def test_aio_thread_count_is_the_old_name_of_intra_op_parallelism(caplog):
     assert "'aio.thread_count' is deprecated: use 'aio.intra_op_parallelism'" in caplog.text
     with pytest.raises(ConfigError, match=r"both 'aio\.thread_count' and its modern name"):
         load({"zero_optimization": nvme, "aio": {"thread_count": 3, "intra_op_parallelism": 2}})
+
+
+# -- the combination rules (config/rules.py) -----------------------------------------------------
+
+# For every rule of the table: the config keys (over BASE) and the facts that make it refuse (None:
+# the config alone does). A rule added to the table without a case here fails the first test.
+RULE_TRIGGERS: dict[str, tuple[dict, RunFacts | None]] = {
+    "one precision": ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, None),
+    "param dtype is the precision": ({"data_types": {"param_dtype": "bf16"}}, None),
+    "NVMe parameters are the fp32 masters": (
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": "/tmp"},
+                "offload_optimizer": {"device": "cpu"},
+            }
+        },
+        None,
+    ),
+    "torch.compile without stage 3": (
+        {"compile": {"enabled": True}, "zero_optimization": {"stage": 3}},
+        None,
+    ),
+    "Lamb on whole tensors": (
+        {"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 1}},
+        None,
+    ),
+    "stage 3 without a pipeline": (
+        {"zero_optimization": {"stage": 3}},
+        RunFacts(pipeline_module=True),
+    ),
+    "pipeline section for a PipelineModule": (
+        {"pipeline": {"schedule": "gpipe"}},
+        RunFacts(pipeline_module=False),
+    ),
+    "automatic tensor parallelism without a pipeline": (
+        {"tensor_parallel": {"autotp_size": 2}},
+        RunFacts(pipeline_module=True, autotp_size=2),
+    ),
+    "hybrid engine without a pipeline": (
+        {"hybrid_engine": {"enabled": True}},
+        RunFacts(pipeline_module=True),
+    ),
+    "experts without tensor parallelism": (
+        {},
+        RunFacts(moe_ep_sizes=(2, 1), tensor_parallel_size=2),
+    ),
+    "experts without a pipeline": ({}, RunFacts(moe_ep_sizes=(2,), pipeline_stages=2)),
+    "experts without stage 3": ({"zero_optimization": {"stage": 3}}, RunFacts(moe_ep_sizes=(2,))),
+    "compressed optimizers on plain data parallelism": (
+        {"zero_optimization": {"stage": 1}},
+        RunFacts(
+            compressed_optimizer="OneBitAdam",
+            pipeline_stages=1,
+            tensor_parallel_size=1,
+            moe_ep_sizes=(),
+        ),
+    ),
+}
+
+
+def test_every_combination_rule_has_a_trigger():
+    names = [rule.name for rule in RULES]
+    assert len(names) == len(set(names))
+    assert set(RULE_TRIGGERS) == set(names)
+    known = {field.name for field in dataclasses.fields(RunFacts)}
+    assert all(set(rule.needs) <= known for rule in RULES)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[rule.name for rule in RULES])
+def test_each_combination_rule_refuses_naming_the_key_and_the_reason(rule):
+    extra, facts = RULE_TRIGGERS[rule.name]
+    expected = rule.message(ShardSpeedConfig.model_validate({**BASE, **extra}), facts or RunFacts())
+    # The message names the key (or the model feature that has none) and gives the reason.
+    assert rule.key in expected and ": " in expected
+    if facts is None:
+        with pytest.raises(ConfigError) as err:
+            load(extra)
+        assert expected in err.value.problems
+        return
+    # load_config cannot know the model: the rule waits for initialize's facts.
+    config = load(extra)
+    assert expected not in combination_problems(config)
+    assert expected in combination_problems(config, facts)
+    with pytest.raises(ConfigError, match=re.escape(rule.key)):
+        refuse_combinations(config, facts)
+
+
+def test_engine_compile_is_refused_at_stage_3_by_the_same_rule():
+    config = load({"zero_optimization": {"stage": 3}})
+    assert combination_problems(config) == []
+    (message,) = combination_problems(config, RunFacts(compiling=True))
+    assert "'compile'" in message and "ZeRO stage 3" in message
+
+
+def test_refusals_cite_no_issue_numbers():
+    with pytest.raises(ConfigError) as err:
+        load({"amp": {"enabled": True}})
+    assert "is removed in DeepSpeed 0.19.8" in str(err.value)
+    assert not re.search(r"#\d", str(err.value))
+
+
+def test_a_disabled_section_still_refuses_keys_not_honoured():
+    # As in the inference config: `enabled: false` turns the feature off but accepts no key
+    # shardspeed does not honour; a section shardspeed does not offer at all is accepted off.
+    with pytest.raises(ConfigError, match=r"'hybrid_engine\.enable_cuda_graph' is not supported"):
+        load({"hybrid_engine": {"enabled": False, "enable_cuda_graph": True}})
+    load({"comet": {"enabled": False, "project": "x"}})

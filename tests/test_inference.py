@@ -146,6 +146,16 @@ def test_unhonoured_keys_are_refused_by_path():
         load_inference_config(checkpoint={"type": "Megatron", "checkpoints": []})
 
 
+def test_a_disabled_section_still_refuses_keys_not_honoured():
+    # `enabled: false` means what it means in the training config: the feature is off, and a
+    # key shardspeed does not honour inside the section is still refused, by its path.
+    with pytest.raises(ConfigError, match=r"'moe\.ep_size' is a DeepSpeed inference key"):
+        load_inference_config({"moe": {"enabled": False, "ep_size": 2}})
+    with pytest.raises(ConfigError, match=r"'tensor_parallel\.tp_grain_size'"):
+        load_inference_config({"tensor_parallel": {"enabled": False, "tp_grain_size": 32}})
+    assert not load_inference_config({"moe": {"enabled": False}}).moe.enabled
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA graphs run on CUDA")
 def test_cuda_graph_is_refused_without_cuda():
     with pytest.raises(ConfigError, match="'enable_cuda_graph' needs a CUDA device"):

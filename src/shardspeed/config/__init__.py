@@ -10,15 +10,20 @@ from .loader import (
     scheduler_params,
     tuning_report,
 )
+from .rules import RULES, RunFacts, combination_problems, refuse_combinations
 from .schema import ShardSpeedConfig
 
 __all__ = [
+    "RULES",
     "ConfigError",
+    "RunFacts",
     "ShardSpeedConfig",
+    "combination_problems",
     "load_config",
     "non_default_settings",
     "optimizer_params",
     "read_config_source",
+    "refuse_combinations",
     "resolve_batch",
     "scheduler_params",
     "tuning_report",

@@ -3,8 +3,9 @@
 The order: read (duplicate keys are errors) -> drop comment keys and the listed keys that change
 nothing (`ignored.py`, a warning each) -> rewrite deprecated spellings (with a warning naming the
 modern key) -> resolve or refuse "auto" -> pydantic validation (unknown keys, types, ranges) ->
-refuse keys shardspeed does not honour -> optimizer/scheduler params -> batch arithmetic. Every
-problem found is reported together, each naming its key path.
+refuse keys shardspeed does not honour (`refused_keys`, shared with the inference config) -> refuse
+feature combinations (the table in `rules.py`) -> optimizer/scheduler params -> batch arithmetic.
+Every problem found is reported together, each naming its key path.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .batch import BATCH_KEYS, resolve_batch
 from .errors import ConfigError, closest, key_path
 from .ignored import drop_ignored
 from .optimizer import OPTIMIZER_PARAMS, canonical_optimizer_name
+from .rules import combination_problems
 from .scheduler import SCHEDULER_PARAMS
 from .schema import REMOVED_KEYS, ShardSpeedConfig
 
@@ -139,8 +141,9 @@ def load_config(
         config = ShardSpeedConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(validation_problems(err, ShardSpeedConfig)) from None
-    problems += _unsupported(config, ())
-    problems += _cross_section(config)
+    problems += refused_keys(config)
+    _warn_inactive_keys(config)
+    problems += combination_problems(config)
     problems += _check_params(config)
     if problems:
         raise ConfigError(problems)
@@ -276,7 +279,7 @@ def _refuse_removed(raw: dict[str, Any], problems: list[str]) -> None:
         for parent in parents:
             section = section.get(parent) if isinstance(section, dict) else None
         if isinstance(section, dict) and leaf in section:
-            problems.append(f"'{dotted}' is {reason} (see deepspeedai/DeepSpeed#8489)")
+            problems.append(f"'{dotted}' is {reason}")
 
 
 def _resolve_auto(raw: dict[str, Any], problems: list[str]) -> frozenset[str]:
@@ -332,45 +335,60 @@ def _auto_locations(node: Any, loc: tuple) -> list[tuple]:
     return []
 
 
-def _is_disabled(section: Any) -> bool:
-    """A section that switches itself off asks nothing of the engine, so it is accepted as is."""
+# What a key shardspeed does not honour is called in the training config's messages.
+NOT_SUPPORTED = "is not supported by shardspeed"
+
+
+def _is_off(section: Any) -> bool:
+    """Whether a section switches itself off (`enabled` false, or `device` "none"), by default or
+    as written."""
+    if isinstance(section, StrictModel):
+        section = section.model_dump()
     return isinstance(section, dict) and (
         section.get("enabled") is False or section.get("device") == "none"
     )
 
 
-def _unsupported(model: StrictModel, loc: tuple) -> list[str]:
+def refused_keys(
+    model: StrictModel,
+    loc: tuple = (),
+    refusal: str = NOT_SUPPORTED,
+    skip: frozenset[str] = frozenset(),
+) -> list[str]:
+    """Every key under `model` that shardspeed does not honour and that is set away from its
+    default, one message each saying `refusal` (`skip`: fields of `model` left to other checks).
+
+    The same for the training and the inference config, and so is what "off" means: a section
+    written with `enabled: false` turns its feature off, but a key shardspeed does not honour
+    inside it is still refused (a written value is a request, and strict loading never drops
+    one silently). Only a section that shardspeed does not offer at all is accepted while it is
+    off, since off is what shardspeed does.
+    """
     problems = []
     for name, field in type(model).model_fields.items():
+        if name in skip:
+            continue
         value = getattr(model, name)
         reason = type(model).unsupported_reason(name)
         if isinstance(value, StrictModel) and reason is None:
-            problems += _unsupported(value, (*loc, name))
+            problems += refused_keys(value, (*loc, name), refusal)
             continue
-        if reason is None or value == field.get_default(call_default_factory=True):
+        default = field.get_default(call_default_factory=True)
+        if reason is None or value == default:
             continue
-        if _is_disabled(value.model_dump() if isinstance(value, StrictModel) else value):
+        if _is_off(value):
             logger.info("config section '%s' is disabled; accepted as is", key_path(*loc, name))
             continue
         problems.append(
-            f"'{key_path(*loc, name)}' is not supported by shardspeed ({reason}); remove it or "
-            f"set it to its default {field.get_default(call_default_factory=True)!r} "
-            f"(got {value!r})"
+            f"'{key_path(*loc, name)}' {refusal} ({reason}); remove it or set it to its default "
+            f"{default!r} (got {value!r})"
         )
     return problems
 
 
-def _cross_section(config: ShardSpeedConfig) -> list[str]:
-    problems = []
-    if config.fp16.enabled and config.bf16.enabled:
-        problems.append("'fp16.enabled' and 'bf16.enabled' are both true: choose one precision")
-    param_dtype = config.data_types.param_dtype
-    if param_dtype is not None and param_dtype != config.precision:
-        problems.append(
-            f"'data_types.param_dtype' is {param_dtype!r} but the config trains in "
-            f"{config.precision!r} (set by 'fp16.enabled' / 'bf16.enabled'): make them agree or "
-            "remove 'data_types.param_dtype'"
-        )
+def _warn_inactive_keys(config: ShardSpeedConfig) -> None:
+    """Keys that act only with other settings (a ZeRO stage, NVMe offload) change nothing
+    without them: accepted with a warning, as real configs are copied between setups."""
     stage = config.zero_optimization.stage
     for path, stages in STAGE_ONLY_KEYS.items():
         *parent, name = path.split(".")
@@ -389,15 +407,6 @@ def _cross_section(config: ShardSpeedConfig) -> list[str]:
                 " or ".join(map(str, sorted(stages))),
                 stage,
             )
-    zero = config.zero_optimization
-    if zero.offload_param.device == "nvme" and (
-        zero.offload_optimizer.device != "nvme" or config.fp16.enabled or config.bf16.enabled
-    ):
-        problems.append(
-            "'zero_optimization.offload_param.device' nvme needs an fp32 model and "
-            "'zero_optimization.offload_optimizer.device' nvme: the shards are then the fp32 "
-            "masters, stepped piece by piece with the optimizer states"
-        )
     nvme = "nvme" in (
         config.zero_optimization.offload_optimizer.device,
         config.zero_optimization.offload_param.device,
@@ -408,21 +417,6 @@ def _cross_section(config: ShardSpeedConfig) -> list[str]:
             "nothing (accepted, as DeepSpeed does)",
             config.aio.model_dump(exclude_defaults=True),
         )
-    if config.compile.compiles and stage == 3:
-        problems.append(
-            "'compile' asks for torch.compile, which does not combine with ZeRO stage 3: the "
-            "parameter gathers run in module hooks that torch.compile cannot trace; use ZeRO "
-            "stage 0, 1 or 2 to compile"
-        )
-    lamb = (
-        config.optimizer is not None and canonical_optimizer_name(config.optimizer.type) == "Lamb"
-    )
-    if stage >= 1 and lamb:
-        problems.append(
-            "'optimizer.type' Lamb needs whole tensors for its per-tensor trust ratio, so it "
-            f"runs only with 'zero_optimization.stage' 0 (got stage {stage})"
-        )
-    return problems
 
 
 def _check_params(config: ShardSpeedConfig) -> list[str]:
@@ -467,7 +461,7 @@ def _validate_params(model: type[StrictModel], params: dict, loc: tuple) -> list
         validated = model.model_validate(params)
     except ValidationError as err:
         return validation_problems(err, model, loc)
-    return _unsupported(validated, loc)
+    return refused_keys(validated, loc)
 
 
 def optimizer_params(config: ShardSpeedConfig) -> tuple[str, StrictModel]:

@@ -3,8 +3,10 @@
 Every key DeepSpeed's `DeepSpeedInferenceConfig` knows has a field here with DeepSpeed's default,
 so a misspelled key is an error naming its path (with a "did you mean"). Keys shardspeed does not
 act on are listed in each section's `not_supported_until` with the reason: they may be written
-only with their default value (or inside a section that disables itself), never accepted and
-silently ignored.
+only with their default value, never accepted and silently ignored. The training config's loader
+does this work for both (`read_config_source`, `validation_problems`, `refused_keys`), so
+`enabled: false` means the same in both: the feature is off, and a key shardspeed does not honour
+inside the section is still refused.
 
 `load_inference_config(config, **kwargs)` follows DeepSpeed's order: read the dict or JSON file,
 merge the keyword arguments (the same key with different values in both is an error), rewrite the
@@ -25,11 +27,13 @@ from pydantic import BeforeValidator, Field, ValidationError, field_validator, m
 
 from ..config.base import PositiveInt, StrictModel
 from ..config.errors import ConfigError, key_path
-from ..config.loader import read_config_source, validation_problems
+from ..config.loader import read_config_source, refused_keys, validation_problems
 
 logger = logging.getLogger("shardspeed")
 
 NO_KERNELS = "shardspeed injects no DeepSpeed kernels: the model's own modules run"
+# What a key shardspeed does not act on is called in this config's messages.
+NOT_HONOURED = "is a DeepSpeed inference key that shardspeed does not honour"
 
 # DeepSpeed's DtypeEnum spellings; torch dtypes are matched by identity.
 DTYPE_NAMES: dict[str, tuple[object, ...]] = {
@@ -85,7 +89,7 @@ class TensorParallelSection(StrictModel):
 
 class MoESection(StrictModel):
     """`moe`: expert parallelism at inference. Not offered: every value other than the default
-    (or `false`, or `enabled: false`) is refused."""
+    is refused (`moe: false` and `enabled: false` are accepted: they turn it off)."""
 
     enabled: bool = True
     ep_size: PositiveInt = 1
@@ -345,7 +349,12 @@ def load_inference_config(
         validated = InferenceConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(validation_problems(err, InferenceConfig)) from None
-    problems = _refusals(validated, (), skip={"quant"} if validated.dtype != "int8" else set())
+    # Without int8, `quant` is reported as a whole by `_cross_checks`.
+    problems = refused_keys(
+        validated,
+        refusal=NOT_HONOURED,
+        skip=frozenset({"quant"} if validated.dtype != "int8" else ()),
+    )
     problems += _cross_checks(validated)
     if problems:
         raise ConfigError(problems)
@@ -402,33 +411,6 @@ def _migrate_deprecated(raw: dict[str, Any], problems: list[str]) -> None:
             continue
         current[leaf] = value
         raw[section] = current
-
-
-def _is_disabled(value: Any) -> bool:
-    return isinstance(value, StrictModel) and getattr(value, "enabled", True) is False
-
-
-def _refusals(model: StrictModel, loc: tuple, skip: set[str] | None = None) -> list[str]:
-    """Every key set to a non-default value that shardspeed does not act on, by path (`skip`:
-    fields of `model` that `_cross_checks` reports as a whole)."""
-    problems = []
-    for name, field in type(model).model_fields.items():
-        if name in (skip or ()):
-            continue
-        value = getattr(model, name)
-        if isinstance(value, StrictModel):
-            if not _is_disabled(value):
-                problems += _refusals(value, (*loc, name))
-            continue
-        reason = type(model).unsupported_reason(name)
-        default = field.get_default(call_default_factory=True)
-        if reason is not None and value != default:
-            problems.append(
-                f"'{key_path(*loc, name)}' is a DeepSpeed inference key that shardspeed does not "
-                f"honour ({reason}); remove it or set it to its default {default!r} "
-                f"(got {value!r})"
-            )
-    return problems
 
 
 def _cross_checks(config: InferenceConfig) -> list[str]:

@@ -411,15 +411,11 @@ class PipelineEngine(ShardSpeedEngine):
 
 
 def _check_config(model: Any, config: Any) -> None:
-    """The `pipeline` section and ZeRO against the module; refuse what does not combine."""
+    """The `pipeline` section against the module it configures; refuse what does not match.
+    (Which other features combine with a pipeline, `initialize` asks `config.rules`.)"""
     if not isinstance(model, PipelineModule):
         raise TypeError("PipelineEngine needs a PipelineModule")
-    pipe, stage = config.pipeline, config.zero_optimization.stage
-    if stage >= 3:
-        raise ConfigError(
-            "zero_optimization.stage 3 does not combine with pipeline parallelism: use stage 1 or "
-            "2, which shard optimizer states (and gradients) across each stage's replicas"
-        )
+    pipe = config.pipeline
     if pipe.stages != "auto" and pipe.stages != model.num_stages:
         raise ConfigError(
             f"pipeline.stages is {pipe.stages} but the PipelineModule has {model.num_stages} "

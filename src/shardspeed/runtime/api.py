@@ -13,13 +13,16 @@ from ..comm import groups, init_distributed
 from ..compat import DEEPSPEED_VERSION
 from ..config import (
     ConfigError,
+    RunFacts,
     load_config,
     non_default_settings,
     read_config_source,
+    refuse_combinations,
     tuning_report,
 )
+from ..moe.layer import MoE
 from ..pipe import PipelineEngine, PipelineModule
-from .engine import ShardSpeedEngine, refuse_unsupported_expert_parallelism
+from .engine import ShardSpeedEngine
 
 
 def initialize(
@@ -51,32 +54,36 @@ def initialize(
     if pipelined and mpu is not None:
         raise ValueError("a PipelineModule brings its own topology: do not pass mpu as well")
     topology: comm.Topology | None = None
+    autotp_size = 0
 
     def data_parallel_size(config: Any) -> int:
-        nonlocal topology
-        tensor_parallel = _tensor_parallel_size(model, config)
-        if pipelined and tensor_parallel > 1:
-            raise ConfigError(
-                "tensor_parallel.autotp_size with a PipelineModule: give the module a "
-                "PipeModelDataParallelTopology and tensor-parallel layers instead"
-            )
-        topology = model.topo if pipelined else comm.Topology.build(mpu, tensor_parallel)
+        nonlocal topology, autotp_size
+        autotp_size = _tensor_parallel_size(model, config)
+        # A PipelineModule brings its topology; asking for automatic tensor parallelism as well
+        # is refused with the other combinations below.
+        topology = model.topo if pipelined else comm.Topology.build(mpu, autotp_size)
         return topology.dp_world_size
 
     config_dict = source if isinstance(source, dict) else read_config_source(source)
     run_config = load_config(config_dict, data_parallel_size)
     comm.use_collective_timeout(run_config.comms_timeout_s)
     groups.use_topology(topology)
-    refuse_unsupported_expert_parallelism(model, topology, run_config)
+    # The combination rules that need the model, before anything (tensor-parallel splitting
+    # included) touches it.
+    refuse_combinations(
+        run_config,
+        RunFacts(
+            pipeline_module=pipelined,
+            pipeline_stages=topology.num_stages,
+            tensor_parallel_size=topology.tp_world_size,
+            autotp_size=autotp_size,
+            moe_ep_sizes=tuple(m.ep_size for m in model.modules() if isinstance(m, MoE)),
+        ),
+    )
     if topology.tp_world_size > 1 and not pipelined and mpu is None:
         from ..tensor_parallel.from_config import apply_autotp
 
         apply_autotp(model, topology.tp_group, run_config.tensor_parallel)
-    if not pipelined and run_config.pipeline != type(run_config.pipeline)():
-        raise ConfigError(
-            "the 'pipeline' section configures a PipelineModule (shardspeed.pipe), and the "
-            f"model is a {type(model).__name__}: remove the section or build a PipelineModule"
-        )
     logger = logging.getLogger("shardspeed")
     logger.info(
         "shardspeed %s%s",
@@ -101,8 +108,6 @@ def initialize(
         logger.info("config: %s", line)
     engine_class = PipelineEngine if pipelined else ShardSpeedEngine
     if run_config.hybrid_engine.enabled:
-        if pipelined:
-            raise ConfigError("'hybrid_engine' does not combine with a PipelineModule")
         from ..inference.hybrid import HybridEngine  # loads generation only when asked for
 
         engine_class = HybridEngine

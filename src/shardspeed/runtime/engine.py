@@ -27,7 +27,13 @@ from ..checkpoint import load_engine, save_engine
 from ..checkpoint import lock as checkpoint_lock
 from ..checkpoint.values import all_gather_json
 from ..comm import Topology, all_reduce, barrier, configure_comms_logger, get_local_rank
-from ..config import ShardSpeedConfig, optimizer_params, scheduler_params
+from ..config import (
+    RunFacts,
+    ShardSpeedConfig,
+    optimizer_params,
+    refuse_combinations,
+    scheduler_params,
+)
 from ..config.errors import ConfigError
 from ..moe.gating import imbalance
 from ..moe.layer import MoE
@@ -272,12 +278,15 @@ class ShardSpeedEngine(nn.Module):
             )
         if isinstance(basic, CompressedOptimizer):
             topo = self.topology
-            if zero.stage > 0 or topo.num_stages > 1 or topo.tp_world_size > 1 or self.moe_layers:
-                raise ConfigError(
-                    f"{type(basic).__name__} compresses the data-parallel gradient exchange "
-                    "itself: it works with ZeRO stage 0 and plain data parallelism only (as in "
-                    "DeepSpeed), not with ZeRO stages 1-3, pipeline, tensor or expert parallelism"
-                )
+            refuse_combinations(
+                config,
+                RunFacts(
+                    pipeline_stages=topo.num_stages,
+                    tensor_parallel_size=topo.tp_world_size,
+                    moe_ep_sizes=tuple(layer.ep_size for layer in self.moe_layers.values()),
+                    compressed_optimizer=type(basic).__name__,
+                ),
+            )
             basic.set_process_group(topo.dp_group)
         fp16 = config.fp16
         scaler = (
@@ -800,11 +809,8 @@ class ShardSpeedEngine(nn.Module):
                 "engine.compile(schedule=...) selects DeepSpeed's DeepCompile passes, which "
                 "shardspeed does not have; call compile() without it"
             )
-        if self.zero_optimization_stage() == 3 and self.optimizer is not None:
-            raise ConfigError(
-                "torch.compile with ZeRO stage 3 is not supported: the parameter gathers run in "
-                "module hooks that torch.compile cannot trace; use ZeRO stage 0, 1 or 2 to compile"
-            )
+        if self.optimizer is not None:  # without one nothing is sharded
+            refuse_combinations(self.run_config, RunFacts(compiling=True))
         if self.is_compiled:
             return
         section = self.run_config.compile
@@ -1004,25 +1010,6 @@ class ShardSpeedEngine(nn.Module):
 
 # DeepSpeed's name for the engine class (accelerate, TRL and user code test `isinstance` against it).
 DeepSpeedEngine = ShardSpeedEngine
-
-
-def refuse_unsupported_expert_parallelism(
-    model: nn.Module, topology: Topology, config: ShardSpeedConfig
-) -> None:
-    """Expert parallelism combines with data parallelism and ZeRO 0 to 2 only, so far: say so
-    before anything (tensor-parallel splitting included) touches the model."""
-    sizes = sorted({m.ep_size for m in model.modules() if isinstance(m, MoE) and m.ep_size > 1})
-    refused = {
-        "tensor parallelism": topology.tp_world_size > 1,
-        "pipeline parallelism": topology.num_stages > 1,
-        "ZeRO stage 3": config.zero_optimization.stage == 3,
-    }
-    if sizes and any(refused.values()):
-        with_ = ", ".join(k for k, v in refused.items() if v)
-        raise ConfigError(
-            f"MoE layers with ep_size {sizes} (expert parallelism) do not combine with {with_} "
-            "yet: use data parallelism with ZeRO stage 0, 1 or 2, or ep_size 1"
-        )
 
 
 def offload_options(config: ShardSpeedConfig) -> OffloadOptions:

@@ -1,0 +1,229 @@
+"""Which features combine: one table of rules, each a predicate and the message that refuses it.
+
+`load_config` runs the table on the config alone; `initialize` runs it again once the model is
+seen, with the facts only the model and the topology can tell (`RunFacts`). A rule that reads a
+fact not known yet is skipped, so each refusal is decided in exactly one place: here. Rooms that
+can be used directly (the engine's `compile()`, a client's compressed optimizer) call
+`refuse_combinations` with what they know; the rest only assert what initialize guarantees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .optimizer import canonical_optimizer_name
+from .schema import ShardSpeedConfig
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the rules may need beyond the config; None is "not known yet"."""
+
+    pipeline_module: bool | None = None  # the model is a PipelineModule
+    pipeline_stages: int | None = None
+    tensor_parallel_size: int | None = None
+    # Automatic tensor parallelism asked for ('tensor_parallel.autotp_size' or tp_model_init).
+    autotp_size: int | None = None
+    moe_ep_sizes: tuple[int, ...] | None = None  # ep_size of every MoE layer of the model
+    compressed_optimizer: str | None = None  # the class of an optimizer compressing its exchange
+    compiling: bool | None = None  # engine.compile() was called
+
+
+Check = Callable[[ShardSpeedConfig, RunFacts], bool]
+Message = Callable[[ShardSpeedConfig, RunFacts], str]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A combination shardspeed refuses: `applies` says whether the run is one, `message` says
+    what is wrong and what to do, naming `key` (a config key path, or the model feature that
+    has none). `needs`: the `RunFacts` fields `applies` reads (the rule waits for them)."""
+
+    name: str
+    key: str
+    applies: Check
+    message: Message
+    needs: tuple[str, ...] = ()
+
+
+def _stage(config: ShardSpeedConfig) -> int:
+    return config.zero_optimization.stage
+
+
+def _expert_sizes(facts: RunFacts) -> list[int]:
+    return sorted({size for size in facts.moe_ep_sizes or () if size > 1})
+
+
+def _experts_refused(with_: str) -> Message:
+    return lambda config, facts: (
+        f"MoE layers with ep_size {_expert_sizes(facts)} (expert parallelism) do not combine "
+        f"with {with_} yet: use data parallelism with ZeRO stage 0, 1 or 2, or ep_size 1"
+    )
+
+
+def _is_lamb(config: ShardSpeedConfig) -> bool:
+    optimizer = config.optimizer
+    return optimizer is not None and canonical_optimizer_name(optimizer.type) == "Lamb"
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "one precision",
+        "bf16.enabled",
+        lambda config, facts: config.fp16.enabled and config.bf16.enabled,
+        lambda config, facts: (
+            "'fp16.enabled' and 'bf16.enabled' are both true: choose one precision"
+        ),
+    ),
+    Rule(
+        "param dtype is the precision",
+        "data_types.param_dtype",
+        lambda config, facts: config.data_types.param_dtype not in (None, config.precision),
+        lambda config, facts: (
+            f"'data_types.param_dtype' is {config.data_types.param_dtype!r} but the config trains "
+            f"in {config.precision!r} (set by 'fp16.enabled' / 'bf16.enabled'): make them agree "
+            "or remove 'data_types.param_dtype'"
+        ),
+    ),
+    Rule(
+        "NVMe parameters are the fp32 masters",
+        "zero_optimization.offload_param.device",
+        lambda config, facts: (
+            config.zero_optimization.offload_param.device == "nvme"
+            and (
+                config.zero_optimization.offload_optimizer.device != "nvme"
+                or config.precision != "fp32"
+            )
+        ),
+        lambda config, facts: (
+            "'zero_optimization.offload_param.device' nvme needs an fp32 model and "
+            "'zero_optimization.offload_optimizer.device' nvme: the shards are then the fp32 "
+            "masters, stepped piece by piece with the optimizer states"
+        ),
+    ),
+    Rule(
+        "torch.compile without stage 3",
+        "compile",
+        lambda config, facts: (
+            (config.compile.compiles or bool(facts.compiling)) and _stage(config) == 3
+        ),
+        lambda config, facts: (
+            "'compile' (torch.compile, also engine.compile()) does not combine with ZeRO stage 3: "
+            "the parameter gathers run in module hooks that torch.compile cannot trace; use "
+            "'zero_optimization.stage' 0, 1 or 2 to compile"
+        ),
+    ),
+    Rule(
+        "Lamb on whole tensors",
+        "optimizer.type",
+        lambda config, facts: _is_lamb(config) and _stage(config) >= 1,
+        lambda config, facts: (
+            "'optimizer.type' Lamb needs whole tensors for its per-tensor trust ratio: it "
+            f"runs only with 'zero_optimization.stage' 0 (got stage {_stage(config)})"
+        ),
+    ),
+    Rule(
+        "stage 3 without a pipeline",
+        "zero_optimization.stage",
+        lambda config, facts: bool(facts.pipeline_module) and _stage(config) == 3,
+        lambda config, facts: (
+            "'zero_optimization.stage' is 3, and ZeRO stage 3 does not combine with pipeline "
+            "parallelism (a PipelineModule): use stage 1 or 2, which shard optimizer states (and "
+            "gradients) across each stage's replicas"
+        ),
+        needs=("pipeline_module",),
+    ),
+    Rule(
+        "pipeline section for a PipelineModule",
+        "pipeline",
+        lambda config, facts: (
+            not facts.pipeline_module and config.pipeline != type(config.pipeline)()
+        ),
+        lambda config, facts: (
+            "the 'pipeline' section configures a PipelineModule (shardspeed.pipe), and the model "
+            "is not one: remove the section or build a PipelineModule"
+        ),
+        needs=("pipeline_module",),
+    ),
+    Rule(
+        "automatic tensor parallelism without a pipeline",
+        "tensor_parallel.autotp_size",
+        lambda config, facts: bool(facts.pipeline_module) and (facts.autotp_size or 0) > 1,
+        lambda config, facts: (
+            "'tensor_parallel.autotp_size' (or tp_model_init) splits a plain model and does not "
+            "combine with a PipelineModule: give the module a PipeModelDataParallelTopology and "
+            "tensor-parallel layers instead"
+        ),
+        needs=("pipeline_module", "autotp_size"),
+    ),
+    Rule(
+        "hybrid engine without a pipeline",
+        "hybrid_engine.enabled",
+        lambda config, facts: bool(facts.pipeline_module) and config.hybrid_engine.enabled,
+        lambda config, facts: (
+            "'hybrid_engine.enabled' does not combine with a PipelineModule: generation runs the "
+            "whole model on each rank, and a pipeline stage holds only its layers; train the "
+            "model without stages or disable the hybrid engine"
+        ),
+        needs=("pipeline_module",),
+    ),
+    Rule(
+        "experts without tensor parallelism",
+        "tensor_parallel.autotp_size",
+        lambda config, facts: bool(_expert_sizes(facts)) and facts.tensor_parallel_size > 1,
+        _experts_refused("tensor parallelism ('tensor_parallel.autotp_size', or an mpu)"),
+        needs=("moe_ep_sizes", "tensor_parallel_size"),
+    ),
+    Rule(
+        "experts without a pipeline",
+        "PipelineModule",
+        lambda config, facts: bool(_expert_sizes(facts)) and facts.pipeline_stages > 1,
+        _experts_refused("pipeline parallelism (a PipelineModule of several stages)"),
+        needs=("moe_ep_sizes", "pipeline_stages"),
+    ),
+    Rule(
+        "experts without stage 3",
+        "zero_optimization.stage",
+        lambda config, facts: bool(_expert_sizes(facts)) and _stage(config) == 3,
+        _experts_refused("ZeRO stage 3 ('zero_optimization.stage')"),
+        needs=("moe_ep_sizes",),
+    ),
+    Rule(
+        "compressed optimizers on plain data parallelism",
+        "zero_optimization.stage",
+        lambda config, facts: (
+            _stage(config) > 0
+            or facts.pipeline_stages > 1
+            or facts.tensor_parallel_size > 1
+            or bool(facts.moe_ep_sizes)
+        ),
+        lambda config, facts: (
+            f"{facts.compressed_optimizer} compresses the data-parallel gradient exchange itself: "
+            "it works with ZeRO stage 0 and plain data parallelism only (as in DeepSpeed), not "
+            "with ZeRO stages 1-3, pipeline, tensor or expert parallelism: set "
+            "'zero_optimization.stage' 0, or choose another optimizer"
+        ),
+        needs=("compressed_optimizer", "pipeline_stages", "tensor_parallel_size", "moe_ep_sizes"),
+    ),
+)
+
+
+def combination_problems(config: ShardSpeedConfig, facts: RunFacts | None = None) -> list[str]:
+    """The message of every rule that refuses `config` with `facts` (rules needing a fact that
+    is not known yet are skipped)."""
+    facts = facts or RunFacts()
+    return [
+        rule.message(config, facts)
+        for rule in RULES
+        if all(getattr(facts, need) is not None for need in rule.needs)
+        and rule.applies(config, facts)
+    ]
+
+
+def refuse_combinations(config: ShardSpeedConfig, facts: RunFacts | None = None) -> None:
+    """Raise ConfigError listing every combination the table refuses."""
+    problems = combination_problems(config, facts)
+    if problems:
+        raise ConfigError(problems)
