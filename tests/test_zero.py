@@ -19,6 +19,9 @@ from reference_training import (
     train,
 )
 from shardspeed.testing import RankFailure
+from shardspeed.zero import reducer as reducer_module
+from shardspeed.zero.flat import FlatLayout
+from shardspeed.zero.reducer import GradientReducer
 
 
 def zero(stage: int, **keys) -> dict:
@@ -537,3 +540,146 @@ def test_save_16bit_model_needs_the_flag_at_stage3(pool2, tmp_path):
     for message in pool2.run(save_model, str(tmp_path), False):
         assert "stage3_gather_16bit_weights_on_model_save" in message
     assert not (tmp_path / "model.safetensors").exists()
+
+
+# -- the reduction and gather hot path -----------------------------------------------------------
+
+
+def test_reducer_plans_owners_once_and_scales_only_kept_pieces(monkeypatch):
+    # One process: a group of one sends nothing, so what the reducer does to the bucket is all
+    # there is to see. Two shards of 7 elements padded to 8: this rank keeps the first 4.
+    shardspeed.comm.init_distributed()
+    layout = FlatLayout.of([[torch.zeros(3), torch.zeros(2, 2)]], shards=2)
+    grads = torch.arange(1.0, 9.0)
+    received = []
+    reducer = GradientReducer(
+        layout, 100, None, torch.float32, torch.float32, 1.0, 0.5,
+        collective="reduce", grads=grads, region_ranks=(0,),
+        on_reduced=lambda offset, piece: received.append((offset, piece.tolist())),
+    )  # fmt: skip
+    calls = []
+    owners = FlatLayout.owners
+    monkeypatch.setattr(FlatLayout, "owners", lambda *args: calls.append(args) or owners(*args))
+    for _ in range(2):
+        grads.copy_(torch.arange(1.0, 9.0))
+        reducer.reset()
+        reducer.active = True
+        reducer.mark_ready(0)
+        reducer.mark_ready(1)
+        assert reducer.finish() == []
+        # The kept piece is scaled; the other rank's piece, dropped anyway, is left as it was.
+        assert grads.tolist() == [0.5, 1.0, 1.5, 2.0, 5.0, 6.0, 7.0, 8.0]
+    assert received == [(0, [0.5, 1.0, 1.5, 2.0])] * 2
+    assert calls == []  # who owns what was worked out when the buckets were laid out
+
+
+class Sometimes(nn.Module):
+    """A layer used on even steps only; 27 elements, which the layout pads to 28 on 2 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h) if use_b else h
+
+
+def train_sometimes(stage: int, bucket: int = 500_000_000) -> dict:
+    model = Sometimes()
+    engine, *_ = shardspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={
+            "train_batch_size": 8,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+            **zero(stage, reduce_bucket_size=bucket),
+        },
+    )
+    gen = torch.Generator().manual_seed(7)
+    rank, world = engine.global_rank, engine.dp_world_size
+    part = 8 // world
+    pooled = []
+    for step in range(4):
+        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 3, generator=gen)
+        out = engine(x[rank * part :][:part], step % 2 == 0)
+        engine.backward(F.mse_loss(out, y[rank * part :][:part]))
+        engine.step()
+        reducer = engine.optimizer.reducer
+        if reducer is not None:
+            pooled.append(sorted(buffer.data_ptr() for buffer in reducer.pool))
+            for buffer in reducer.pool:
+                buffer.fill_(float("nan"))  # what a bucket does not write must not leak on
+    return {"params": [p.detach().clone() for p in model.parameters()], "pooled": pooled}
+
+
+@pytest.mark.parametrize("bucket", [500_000_000, 8], ids=["one-bucket", "two-buckets"])
+def test_stage2_bucket_buffers_are_reused_and_never_leak(pool2, bucket):
+    expected = train_sometimes(0)["params"]
+    for result in pool2.run(train_sometimes, 2, bucket):
+        assert_close_relative(result["params"], expected, 1e-5)
+        # The same storages every step (none allocated per micro-step), at most two in flight
+        # and one being filled.
+        pooled = result["pooled"]
+        assert 1 <= len(pooled[0]) <= 3
+        assert all(step == pooled[0] for step in pooled)
+
+
+def gathers_two_param_groups(stage: int) -> dict:
+    model = wide_model()
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    engine, *_ = shardspeed.initialize(
+        model=model,
+        model_parameters=[{"params": weights}, {"params": biases, "weight_decay": 0.0}],
+        config={
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "Adam"},
+            **(STAGES["s3"] if stage == 3 else zero(stage)),
+        },
+    )
+    shardspeed.comm.reset_comm_volume()
+    engine.backward(engine(torch.randn(4, 64)).square().mean())
+    engine.step()
+    return {"volume": shardspeed.comm.comm_volume(), "total": engine.optimizer.layout.total}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_gather_for_the_regions_of_a_group(pool2, stage):
+    # Two param groups make two regions; their shards go out in one all-gather (at stage 3 one
+    # per gather of the unit: for forward, then for backward).
+    for result in pool2.run(gathers_two_param_groups, stage):
+        gathers, total = result["volume"]["all_gather"], result["total"]
+        gathered = 2 if stage == 3 else 1
+        assert gathers == {"calls": gathered, "bytes": gathered * 4 * total}
+
+
+def train_scattering(stage: str, extra: dict) -> dict:
+    # The path NCCL takes (one reduce-scatter per bucket that lines up with the shards), run on
+    # gloo, where one reduce per owner is the faster and so the default.
+    reducer_module._GLOO_SCATTERS = True
+    try:
+        shardspeed.comm.reset_comm_volume()
+        result = train(2, {**STAGES[stage], **extra}, True)
+        return {**result, "volume": shardspeed.comm.comm_volume()}
+    finally:
+        reducer_module._GLOO_SCATTERS = False
+
+
+@pytest.mark.parametrize("stage", ["s1", "s2", "s3"])
+@pytest.mark.parametrize(
+    "extra", [{}, {"fp16": {"enabled": True, "initial_scale_power": 8}}], ids=["fp32", "fp16"]
+)
+def test_reduce_scatter_path_matches_reference(pool2, stage, extra):
+    # Two param groups: two regions, each one bucket whose pieces line up with the shards.
+    results = pool2.run(train_scattering, stage, extra)
+    if extra:
+        expected, tol = pool2.run(train, 2, {**STAGES[stage], **extra}, True), 2e-3
+    else:
+        expected, tol = [{"params": reference(groups=True)}] * 2, 1e-5
+    for result, want in zip(results, expected):
+        assert_close_relative(result["params"], want["params"], tol)
+        assert "reduce" not in result["volume"]
+        assert result["volume"]["reduce_scatter"]["calls"] > 0

@@ -57,13 +57,28 @@ class FlatLayout:
     def shard(self, group: int, rank: int) -> tuple[int, int]:
         """[start, end) of `rank`'s shard of region `group` in the flat buffer (`rank` in the
         group of ranks that share the region)."""
-        start, end = self.groups[group]
-        size = (end - start) // self.shards[group]
+        start = self.groups[group][0]
+        size = self.shard_size(group)
         return start + rank * size, start + (rank + 1) * size
+
+    def shard_size(self, group: int) -> int:
+        """Elements of each rank's shard of region `group`."""
+        start, end = self.groups[group]
+        return (end - start) // self.shards[group]
 
     def shard_numel(self) -> int:
         """Elements one rank owns over all regions (equal for every rank)."""
-        return sum((e - s) // n for (s, e), n in zip(self.groups, self.shards))
+        return sum(self.shard_size(g) for g in range(len(self.groups)))
+
+    def place_gathered(
+        self, rows: torch.Tensor, regions: Sequence[int], buffer: torch.Tensor, base: int = 0
+    ) -> None:
+        """Put all-gathered `rows` (row k: rank k's shards of consecutive `regions`, side by side)
+        in place in `buffer`, which holds the layout from element `base` on."""
+        sizes = [self.shard_size(r) for r in regions]
+        for r, columns in zip(regions, rows.split(sizes, dim=1)):
+            start, end = self.groups[r]
+            buffer[start - base : end - base].view(len(rows), -1).copy_(columns)
 
     def owners(self, start: int, end: int) -> list[tuple[int, int, int, int, int]]:
         """Split [start, end) by owner: (region, rank, piece start, piece end, offset in the rank's
@@ -71,7 +86,7 @@ class FlatLayout:
         pieces = []
         shard_offset = 0
         for g, (g_start, g_end) in enumerate(self.groups):
-            size = (g_end - g_start) // self.shards[g]
+            size = self.shard_size(g)
             lo, hi = max(start, g_start), min(end, g_end)
             if lo < hi and size:
                 for rank in range((lo - g_start) // size, (hi - 1 - g_start) // size + 1):

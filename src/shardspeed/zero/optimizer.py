@@ -9,7 +9,8 @@ post-accumulate-grad hooks. What differs is what a rank keeps:
 - stage 1: the full gradient buffer, but fp32 master weights and optimizer state only for its shard
   (a contiguous 1/N of every param group). Gradients are reduced to their owners at the boundary.
 - stage 2: as stage 1, and gradients too only for its shard: each bucket is reduced every micro-step
-  and freed once the rank has added its own part to its shard accumulator.
+  and its buffer goes back to the reducer's small pool once the rank has added its own part to its
+  shard accumulator.
 
 Expert weights of a mixture of experts under expert parallelism (`ExpertParameters`) differ between
 the ranks of the data-parallel group: each is laid out in regions of its own, reduced and sharded
@@ -168,10 +169,7 @@ class ZeroOptimizer:
         managed = {p for group in groups for p in group}
         # zero.Init sliced every parameter; those the optimizer does not train stay whole.
         materialize(p for p in module.parameters() if p not in managed)
-        if experts and stage == 3:
-            raise ValueError(
-                "expert parallelism (MoE ep_size > 1) works with ZeRO stages 0 to 2, not 3"
-            )
+        assert not (experts and stage == 3), "initialize refuses expert parallelism at ZeRO stage 3"
         # Where each region lives: 0 is the data-parallel group, i + 1 the group of experts[i].
         self._places = [(dp_group, dp_rank, dp_world_size)] + [
             (e.group, e.rank, e.world_size) for e in experts
@@ -181,8 +179,7 @@ class ZeroOptimizer:
         # chunks; otherwise there is one block and a region is a param group.
         units: list[Unit] = []
         if self.stage == 3:
-            if segments or ties:
-                raise ValueError("ZeRO stage 3 does not combine with pipeline parallelism")
+            assert not (segments or ties), "initialize refuses ZeRO stage 3 with a pipeline"
             units = plan_units(module, [p for g in groups for p in g], stage3 or Stage3Options())
             blocks, block_segment = [u.params for u in units], [0] * len(units)
             block_tie: list[int | None] = [None] * len(units)
@@ -419,12 +416,9 @@ class ZeroOptimizer:
         cpu, pinned where a GPU exists) or swap files (`offload_param` nvme)."""
         where = self.offload.param_device
         if where == "nvme":
-            if dtype != torch.float32 or self.offload.device != "nvme":
-                raise ValueError(
-                    "'zero_optimization.offload_param.device' nvme needs an fp32 model and "
-                    "'offload_optimizer.device' nvme (the shard is then the fp32 master, stepped "
-                    "piece by piece with the optimizer states)"
-                )
+            assert dtype == torch.float32 and self.offload.device == "nvme", (
+                "initialize refuses NVMe parameters without fp32 and NVMe optimizer states"
+            )
             self._param_swapper = NvmeSwapper(
                 self.offload.param_nvme_path, get_rank(), self.offload.aio
             )
@@ -513,6 +507,9 @@ class ZeroOptimizer:
             region_groups=tuple(self._places[p][0] for p in self.region_place)
             if len(self._places) > 1
             else (),
+            region_ranks=tuple(
+                self._places[p][1] if self.stage >= 1 else 0 for p in self.region_place
+            ),
         )
 
     # -- backward ---------------------------------------------------------------------------------
@@ -527,6 +524,7 @@ class ZeroOptimizer:
                 zopt = owner()
                 if zopt is None:
                     return
+                # Copied, not added: the bucket's pooled buffer holds an earlier bucket's values.
                 zopt.reducer.gradient_slot(index).copy_(param.grad)
                 param.grad = None
                 zopt.reducer.mark_ready(index)
@@ -562,10 +560,8 @@ class ZeroOptimizer:
         if getattr(self, "_param_swapper", None) is not None:
             self._param_swapper.close()
 
-    def _add_own_part(self, start: int, end: int, reduced: torch.Tensor) -> None:
-        for region, rank, a, b, offset in self.layout.owners(start, end):
-            if rank == self._places[self.region_place[region]][1]:
-                self.grad_shard[offset : offset + b - a].add_(reduced[a - start : b - start])
+    def _add_own_part(self, offset: int, reduced: torch.Tensor) -> None:
+        self.grad_shard[offset : offset + reduced.numel()].add_(reduced)
 
     def start_micro_step(self, reduce_gradients: bool, segment: int | None = None) -> None:
         """Say before backward whether this micro-step's gradients are to be averaged, and, for a
@@ -718,15 +714,35 @@ class ZeroOptimizer:
         if self.master_flat is not None:
             for (s, e), master in zip(self.shard_ranges, self._split_shard(self.master_flat)):
                 self.model_flat[s:e].copy_(master)
-        for g, (start, end) in enumerate(self.layout.groups):
-            self._gather_group(self.model_flat[start:end], g)
+        regions = range(len(self.layout.groups))
+        for place, run in itertools.groupby(regions, key=self.region_place.__getitem__):
+            self._gather_regions([r for r in run if self.layout.shard_size(r)], place)
 
-    def _gather_group(self, region: torch.Tensor, index: int) -> None:
+    def _gather_regions(self, regions: list[int], place: int) -> None:
+        """All-gather consecutive `regions`, held by the ranks of `place`, of the model buffer: one
+        collective for all of them when their shards fit in one gather bucket."""
+        group, _, world = self._places[place]
+        if world == 1 or not regions:
+            return
+        sizes = [self.layout.shard_size(r) for r in regions]
+        one_by_one = len(regions) == 1 or sum(sizes) > self.gather.bucket_elements
+        if one_by_one or not self.gather.all_gather:
+            for r in regions:
+                self._gather_group(r)
+            return
+        # The regions' shards are apart in the buffer: gather them as one, then put each
+        # rank's pieces in place.
+        mine = torch.cat([self.model_flat[slice(*self.shard_ranges[r])] for r in regions])
+        rows = torch.empty(world, mine.numel(), dtype=mine.dtype, device=mine.device)
+        all_gather_into_tensor(rows.view(-1), mine, group=group)
+        self.layout.place_gathered(rows, regions, self.model_flat)
+
+    def _gather_group(self, index: int) -> None:
+        start, end = self.layout.groups[index]
+        region = self.model_flat[start:end]
         group, rank, world = self._places[self.region_place[index]]
         size = region.numel() // world
-        shards = list(region.split(size)) if size else []
-        if not shards or world == 1:
-            return
+        shards = list(region.split(size))
         if not self.gather.all_gather:
             for owner, shard in enumerate(shards):
                 broadcast(shard, _group_rank_to_global(group, owner), group=group)
@@ -734,7 +750,9 @@ class ZeroOptimizer:
         chunk = min(size, self.gather.bucket_elements)
         for lo in range(0, size, chunk):
             hi = min(lo + chunk, size)
-            mine = shards[rank][lo:hi].clone()
+            # gloo gathers through a buffer of its own and NCCL in place: the input can
+            # be the output's own slot, with no copy.
+            mine = shards[rank][lo:hi]
             if hi - lo == size:
                 all_gather_into_tensor(region, mine, group=group)
             else:

@@ -183,6 +183,10 @@ class MemoryShard:
     def piece(self, r: int) -> torch.Tensor:
         return self.flat[self.offsets[r] : self.offsets[r + 1]]
 
+    def pieces(self, regions: Sequence[int]) -> torch.Tensor:
+        """Consecutive `regions`' pieces as one tensor (a view: they lie side by side)."""
+        return self.flat[self.offsets[regions[0]] : self.offsets[regions[-1] + 1]]
+
     def write(self, r: int, values: torch.Tensor) -> None:
         self.piece(r).copy_(values)
 
@@ -216,6 +220,10 @@ class SwappedShard:
         buffer, done = self.read_async(r)
         done.result()
         return buffer
+
+    def pieces(self, regions: Sequence[int]) -> torch.Tensor:
+        """Consecutive `regions`' pieces as one tensor."""
+        return torch.cat([self.piece(r) for r in regions])
 
     def write_async(self, r: int, values: torch.Tensor) -> Any:
         # Files are written from host memory: a device tensor (a gathered unit, the initial
@@ -306,7 +314,9 @@ class ShardedParameters:
         # Forwards with and without autograd use units in different orders: one trace each.
         self._traces = {True: _Trace(), False: _Trace()}
         self.trace = self._traces[True]
-        self._in_flight: dict[int, tuple[torch.Tensor, list]] = {}
+        # A unit being gathered: its buffer, the collectives' works, and (several regions) the
+        # rows they gather into, to be put in place once they are done.
+        self._in_flight: dict[int, tuple[torch.Tensor, list, torch.Tensor | None]] = {}
         self.peak_gathered_bytes = 0
         self.peak_live_elements = 0  # what stage3_max_live_parameters bounds
         for p in params:
@@ -352,9 +362,13 @@ class ShardedParameters:
             if not self.units[u].persistent:
                 self._make_room(self.numel[u])
             self._launch(u)
-        buffer, works = self._in_flight.pop(u)
+        buffer, works, rows = self._in_flight.pop(u)
         for work in works:
             work.wait()
+        if rows is not None:
+            self.layout.place_gathered(
+                rows, self._regions_with_elements(u), buffer, self.span(u)[0]
+            )
         self.buffers[u] = buffer
         self._note_live()
         start, _ = self.span(u)
@@ -380,22 +394,35 @@ class ShardedParameters:
                 return
             self.release(v)
 
+    def _regions_with_elements(self, u: int) -> list[int]:
+        return [r for r in self.unit_regions[u] if self.layout.shard_size(r)]
+
     def _launch(self, u: int) -> None:
         start, end = self.span(u)
         buffer = self._unit_buffer(u, end - start)
-        works = []
-        for r in self.unit_regions[u]:
-            r_start, r_end = self.layout.groups[r]
-            size = (r_end - r_start) // self.layout.shards[r]
-            if size:
+        regions = self._regions_with_elements(u)
+        rows = None
+        if len(regions) > 1:
+            # One collective for the unit: its regions' shards lie side by side in the store;
+            # they are gathered as one and each rank's pieces put in place once they are here.
+            mine = self.store.pieces(regions).to(self.device, non_blocking=True)
+            world = self.layout.shards[regions[0]]
+            rows = torch.empty(world, mine.numel(), dtype=mine.dtype, device=self.device)
+            works = [all_gather_into_tensor(rows.view(-1), mine, group=self.group, async_op=True)]
+        else:
+            works = []
+            for r in regions:
+                r_start, r_end = self.layout.groups[r]
                 mine = self.store.piece(r).to(self.device, non_blocking=True)
                 out = buffer[r_start - start : r_end - start]
                 works.append(all_gather_into_tensor(out, mine, group=self.group, async_op=True))
-        self._in_flight[u] = (buffer, works)
+        self._in_flight[u] = (buffer, works, rows)
         self._note_live()
 
     def _note_live(self) -> None:
-        buffers = [*self.buffers.values(), *(b for b, _ in self._in_flight.values())]
+        # A unit gathered as one also holds its rows until they are put in place.
+        in_flight = [t for b, _, rows in self._in_flight.values() for t in (b, rows)]
+        buffers = [*self.buffers.values(), *(t for t in in_flight if t is not None)]
         live = sum(b.numel() * b.element_size() for b in buffers)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements())
@@ -501,8 +528,8 @@ class ShardedParameters:
         buffer = self.buffers[u]
         rank = _group_rank(self.group)
         for r in self.unit_regions[u]:
-            r_start, r_end = self.layout.groups[r]
-            size = (r_end - r_start) // self.layout.shards[r]
+            r_start, _ = self.layout.groups[r]
+            size = self.layout.shard_size(r)
             self.store.write(r, buffer[r_start - start + rank * size :][:size])
         if self.after_write is not None:
             self.after_write()
