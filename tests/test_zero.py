@@ -3,6 +3,8 @@ memory held per rank against the ZeRO paper's formulas, and the bytes each step 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -238,17 +240,23 @@ class Awkward(nn.Module):
         return self.b(torch.tanh(self.a(self.frozen(x))))
 
 
-def train_awkward(stage: int, ignore_unused: bool = True) -> list[torch.Tensor]:
-    model = Awkward()
+def adamw_engine(model: nn.Module, stage: int, **zero_options: Any) -> Any:
+    """`model` under AdamW (lr 0.01, no weight decay), global batch 8, at ZeRO `stage`."""
     engine, *_ = shardspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
         config={
             "train_batch_size": 8,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
-            **zero(stage, ignore_unused_parameters=ignore_unused),
+            **zero(stage, **zero_options),
         },
     )
+    return engine
+
+
+def train_awkward(stage: int, ignore_unused: bool = True) -> list[torch.Tensor]:
+    model = Awkward()
+    engine = adamw_engine(model, stage, ignore_unused_parameters=ignore_unused)
     gen = torch.Generator().manual_seed(7)
     x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)
     rank, world = engine.global_rank, engine.dp_world_size
@@ -589,15 +597,7 @@ class Sometimes(nn.Module):
 
 def train_sometimes(stage: int, bucket: int = 500_000_000) -> dict:
     model = Sometimes()
-    engine, *_ = shardspeed.initialize(
-        model=model,
-        model_parameters=model.parameters(),
-        config={
-            "train_batch_size": 8,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
-            **zero(stage, reduce_bucket_size=bucket),
-        },
-    )
+    engine = adamw_engine(model, stage, reduce_bucket_size=bucket)
     gen = torch.Generator().manual_seed(7)
     rank, world = engine.global_rank, engine.dp_world_size
     part = 8 // world
