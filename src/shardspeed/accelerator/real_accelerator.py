@@ -82,8 +82,289 @@ def _rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+class _HostMemory:
+    """Memory figures of a CPU process: its resident set, as DeepSpeed's CPU accelerator reports."""
+
+    def __init__(self) -> None:
+        self._peak_rss = 0
+
+    def get_rss(self) -> int:
+        rss = _rss()
+        self._peak_rss = max(self._peak_rss, rss)
+        return rss
+
+    def reset_rss(self) -> int:
+        self._peak_rss = _rss()
+        return self._peak_rss
+
+    def memory_allocated(self, device_index: int | None = None) -> int:
+        return self.get_rss()
+
+    def max_memory_allocated(self, device_index: int | None = None) -> int:
+        self.get_rss()
+        return self._peak_rss
+
+    def reset_max_memory_allocated(self, device_index: int | None = None) -> None:
+        self.reset_rss()
+
+    def memory_reserved(self, device_index: int | None = None) -> int:
+        return self.get_rss()
+
+    def max_memory_reserved(self, device_index: int | None = None) -> int:
+        return self.max_memory_allocated()
+
+    def memory_stats(self, device_index: int | None = None) -> dict[str, Any]:
+        rss = self.get_rss()
+        return {
+            "allocated_bytes.all.current": rss,
+            "allocated_bytes.all.peak": self._peak_rss,
+            "reserved_bytes.all.current": rss,
+            "reserved_bytes.all.peak": self._peak_rss,
+        }
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def available_memory(self, device_index: int | None = None) -> int:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+    def empty_cache(self) -> None:
+        pass
+
+    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+        return tensor
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return False
+
+
+class _CudaMemory(_HostMemory):
+    """torch.cuda's caching allocator figures."""
+
+    def memory_allocated(self, device_index: int | None = None) -> int:
+        return torch.cuda.memory_allocated(device_index)
+
+    def max_memory_allocated(self, device_index: int | None = None) -> int:
+        return torch.cuda.max_memory_allocated(device_index)
+
+    def reset_max_memory_allocated(self, device_index: int | None = None) -> None:
+        torch.cuda.reset_peak_memory_stats(device_index)
+
+    def memory_reserved(self, device_index: int | None = None) -> int:
+        return torch.cuda.memory_reserved(device_index)
+
+    def max_memory_reserved(self, device_index: int | None = None) -> int:
+        return torch.cuda.max_memory_reserved(device_index)
+
+    def memory_stats(self, device_index: int | None = None) -> dict[str, Any]:
+        return torch.cuda.memory_stats(device_index)
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        return torch.cuda.get_device_properties(device_index or 0).total_memory
+
+    def available_memory(self, device_index: int | None = None) -> int:
+        return torch.cuda.mem_get_info(device_index)[0]
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+        return tensor.pin_memory()
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned()
+
+
+class _HostStreams:
+    """Ordering on a synchronous device: streams, events, graphs and ranges that cost nothing."""
+
+    Stream = _NullStream
+    Event = _NullEvent
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        pass
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def current_stream(self, device_index: int | None = None) -> Any:
+        return _NullStream()
+
+    def default_stream(self, device_index: int | None = None) -> Any:
+        return _NullStream()
+
+    def create_graph(self) -> Any:
+        return None
+
+    def capture_to_graph(
+        self, graph: Any, pool: Any = None, stream: Any = None
+    ) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def replay_graph(self, graph: Any) -> None:
+        pass
+
+    def range_push(self, msg: str, domain: Any = None, category: Any = None) -> None:
+        pass
+
+    def range_pop(self, domain: Any = None) -> None:
+        pass
+
+
+class _CudaStreams(_HostStreams):
+    """torch.cuda's streams, events, CUDA graphs and NVTX ranges."""
+
+    Stream = torch.cuda.Stream
+    Event = torch.cuda.Event
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        torch.cuda.synchronize(device_index)
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def current_stream(self, device_index: int | None = None) -> Any:
+        return torch.cuda.current_stream(device_index)
+
+    def default_stream(self, device_index: int | None = None) -> Any:
+        return torch.cuda.default_stream(device_index)
+
+    def create_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def capture_to_graph(
+        self, graph: Any, pool: Any = None, stream: Any = None
+    ) -> contextlib.AbstractContextManager:
+        return torch.cuda.graph(graph, pool, stream)
+
+    def replay_graph(self, graph: Any) -> None:
+        graph.replay()
+
+    def range_push(self, msg: str, domain: Any = None, category: Any = None) -> None:
+        if hasattr(torch.cuda, "nvtx"):
+            torch.cuda.nvtx.range_push(msg)
+
+    def range_pop(self, domain: Any = None) -> None:
+        if hasattr(torch.cuda, "nvtx"):
+            torch.cuda.nvtx.range_pop()
+
+
+class _HostRandom:
+    """The CPU generator's seed and state."""
+
+    def random(self) -> Any:
+        return torch.random
+
+    def manual_seed(self, seed: int) -> Any:
+        return torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> Any:
+        return torch.manual_seed(seed)
+
+    def initial_seed(self) -> int:
+        return torch.initial_seed()
+
+    def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device_index: int | None = None) -> None:
+        torch.set_rng_state(new_state)
+
+    def default_generator(self, device_index: int) -> torch.Generator:
+        return torch.default_generator
+
+
+class _CudaRandom(_HostRandom):
+    """Each GPU's generator."""
+
+    def manual_seed(self, seed: int) -> Any:
+        return torch.cuda.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> Any:
+        return torch.cuda.manual_seed_all(seed)
+
+    def initial_seed(self) -> int:
+        return torch.cuda.initial_seed()
+
+    def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
+        return torch.cuda.get_rng_state("cuda" if device_index is None else device_index)
+
+    def set_rng_state(self, new_state: torch.Tensor, device_index: int | None = None) -> None:
+        torch.cuda.set_rng_state(new_state, "cuda" if device_index is None else device_index)
+
+    def default_generator(self, device_index: int) -> torch.Generator:
+        return torch.cuda.default_generators[device_index]
+
+
+class _Builds:
+    """Compiled ops (DeepSpeed builds C++/CUDA extensions; shardspeed has none) and torch.compile."""
+
+    def __init__(self, cuda: bool) -> None:
+        self._cuda = cuda
+        self._compile_backend = "inductor"
+
+    def op_builder_dir(self) -> str:
+        return "shardspeed.ops"
+
+    def create_op_builder(self, op_name: str) -> None:
+        return None
+
+    def get_op_builder(self, class_name: str) -> None:
+        return None
+
+    def build_extension(self) -> type:
+        from torch.utils.cpp_extension import BuildExtension
+
+        return BuildExtension
+
+    def is_triton_supported(self) -> bool:
+        if not self._cuda or not torch.cuda.is_available():
+            return False
+        return torch.cuda.get_device_capability()[0] >= 8
+
+    def get_compile_backend(self) -> str:
+        return self._compile_backend
+
+    def set_compile_backend(self, backend: str) -> None:
+        import torch._dynamo
+
+        if backend not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ValueError(
+                f"{backend!r} is not a torch.compile backend; available: "
+                f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))}"
+            )
+        self._compile_backend = backend
+
+
+# DeepSpeed's second names for one answer.
+_SAME_AS = {
+    "use_host_timers": "is_synchronized_device",
+    "resolves_data_dependency": "is_synchronized_device",
+    "handles_memory_backpressure": "is_synchronized_device",
+    "memory_cached": "memory_reserved",
+    "max_memory_cached": "max_memory_reserved",
+    "reset_max_memory_cached": "reset_max_memory_allocated",
+    "reset_peak_memory_stats": "reset_max_memory_allocated",
+}
+
+# DeepSpeed's legacy tensor types (`get_accelerator().FloatTensor([...])`): a constructor per dtype.
+_TENSOR_TYPES = {
+    "BFloat16Tensor": torch.bfloat16,
+    "ByteTensor": torch.uint8,
+    "DoubleTensor": torch.float64,
+    "FloatTensor": torch.float32,
+    "HalfTensor": torch.float16,
+    "IntTensor": torch.int32,
+    "LongTensor": torch.int64,
+}
+
+
 class Accelerator:
-    """DeepSpeed's accelerator interface for one device kind, `cuda` or `cpu`."""
+    """DeepSpeed's accelerator interface for one device kind, `cuda` or `cpu`.
+
+    The device's identity is answered here; memory, streams, random state and builds are parts
+    chosen once for the kind, and their methods are this object's methods under DeepSpeed's names.
+    """
 
     def __init__(self, name: str) -> None:
         if name not in SUPPORTED_ACCELERATORS:
@@ -92,30 +373,37 @@ class Accelerator:
                 f"{' or '.join(SUPPORTED_ACCELERATORS)} (set DS_ACCELERATOR to one of them)"
             )
         self._name = name
-        self._communication_backend_name = "nccl" if name == "cuda" else "gloo"
-        self._compile_backend = "inductor"
-        self._peak_rss = 0
+        self._cuda = name == "cuda"
+        self._communication_backend_name = "nccl" if self._cuda else "gloo"
+        self._parts = (
+            _CudaMemory() if self._cuda else _HostMemory(),
+            _CudaStreams() if self._cuda else _HostStreams(),
+            _CudaRandom() if self._cuda else _HostRandom(),
+            _Builds(self._cuda),
+        )
 
-    @property
-    def _cuda(self) -> bool:
-        return self._name == "cuda"
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in _TENSOR_TYPES:
+            return self._tensor_type(_TENSOR_TYPES[name])
+        name = _SAME_AS.get(name, name)
+        if name in type(self).__dict__:
+            return getattr(self, name)
+        for part in self._parts:
+            if hasattr(type(part), name):
+                return getattr(part, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __dir__(self) -> list[str]:
+        parts = (name for part in self._parts for name in dir(part) if not name.startswith("_"))
+        return sorted({*super().__dir__(), *parts, *_SAME_AS, *_TENSOR_TYPES})
 
     def __repr__(self) -> str:
         return f"Accelerator({self._name!r})"
 
-    # -- identity -------------------------------------------------------------------------------
-
     def is_synchronized_device(self) -> bool:
         return not self._cuda
-
-    def use_host_timers(self) -> bool:
-        return self.is_synchronized_device()
-
-    def resolves_data_dependency(self) -> bool:
-        return self.is_synchronized_device()
-
-    def handles_memory_backpressure(self) -> bool:
-        return self.is_synchronized_device()
 
     def device_name(self, device_index: int | None = None) -> str:
         if device_index is None or not self._cuda:
@@ -148,10 +436,6 @@ class Accelerator:
     def is_available(self) -> bool:
         return torch.cuda.is_available() if self._cuda else True
 
-    def synchronize(self, device_index: int | None = None) -> None:
-        if self._cuda:
-            torch.cuda.synchronize(device_index)
-
     def communication_backend_name(self) -> str:
         return self._communication_backend_name
 
@@ -173,156 +457,6 @@ class Accelerator:
             return torch.cuda._lazy_call(callback)
         return callback()
 
-    # -- random state ---------------------------------------------------------------------------
-
-    def random(self) -> Any:
-        return torch.random
-
-    def manual_seed(self, seed: int) -> Any:
-        return torch.cuda.manual_seed(seed) if self._cuda else torch.manual_seed(seed)
-
-    def manual_seed_all(self, seed: int) -> Any:
-        return torch.cuda.manual_seed_all(seed) if self._cuda else torch.manual_seed(seed)
-
-    def initial_seed(self) -> int:
-        return torch.cuda.initial_seed() if self._cuda else torch.initial_seed()
-
-    def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
-        if self._cuda:
-            return torch.cuda.get_rng_state("cuda" if device_index is None else device_index)
-        return torch.get_rng_state()
-
-    def set_rng_state(self, new_state: torch.Tensor, device_index: int | None = None) -> None:
-        if self._cuda:
-            torch.cuda.set_rng_state(new_state, "cuda" if device_index is None else device_index)
-        else:
-            torch.set_rng_state(new_state)
-
-    def default_generator(self, device_index: int) -> torch.Generator:
-        if self._cuda:
-            return torch.cuda.default_generators[device_index]
-        return torch.default_generator
-
-    # -- streams, events, graphs ----------------------------------------------------------------
-
-    @property
-    def Stream(self) -> type:
-        return torch.cuda.Stream if self._cuda else _NullStream
-
-    @property
-    def Event(self) -> type:
-        return torch.cuda.Event if self._cuda else _NullEvent
-
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(stream) if self._cuda else contextlib.nullcontext()
-
-    def current_stream(self, device_index: int | None = None) -> Any:
-        return torch.cuda.current_stream(device_index) if self._cuda else _NullStream()
-
-    def default_stream(self, device_index: int | None = None) -> Any:
-        return torch.cuda.default_stream(device_index) if self._cuda else _NullStream()
-
-    def create_graph(self) -> Any:
-        return torch.cuda.CUDAGraph() if self._cuda else None
-
-    def capture_to_graph(
-        self, graph: Any, pool: Any = None, stream: Any = None
-    ) -> contextlib.AbstractContextManager:
-        if self._cuda:
-            return torch.cuda.graph(graph, pool, stream)
-        return contextlib.nullcontext()
-
-    def replay_graph(self, graph: Any) -> None:
-        if self._cuda:
-            graph.replay()
-
-    def range_push(self, msg: str, domain: Any = None, category: Any = None) -> None:
-        del domain, category
-        if self._cuda and hasattr(torch.cuda, "nvtx"):
-            torch.cuda.nvtx.range_push(msg)
-
-    def range_pop(self, domain: Any = None) -> None:
-        del domain
-        if self._cuda and hasattr(torch.cuda, "nvtx"):
-            torch.cuda.nvtx.range_pop()
-
-    # -- memory ---------------------------------------------------------------------------------
-
-    def empty_cache(self) -> None:
-        if self._cuda:
-            torch.cuda.empty_cache()
-
-    def get_rss(self) -> int:
-        rss = _rss()
-        self._peak_rss = max(self._peak_rss, rss)
-        return rss
-
-    def reset_rss(self) -> int:
-        self._peak_rss = _rss()
-        return self._peak_rss
-
-    def memory_allocated(self, device_index: int | None = None) -> int:
-        return torch.cuda.memory_allocated(device_index) if self._cuda else self.get_rss()
-
-    def max_memory_allocated(self, device_index: int | None = None) -> int:
-        if self._cuda:
-            return torch.cuda.max_memory_allocated(device_index)
-        self.get_rss()
-        return self._peak_rss
-
-    def reset_max_memory_allocated(self, device_index: int | None = None) -> None:
-        if self._cuda:
-            torch.cuda.reset_peak_memory_stats(device_index)
-        else:
-            self.reset_rss()
-
-    def memory_reserved(self, device_index: int | None = None) -> int:
-        return torch.cuda.memory_reserved(device_index) if self._cuda else self.get_rss()
-
-    def max_memory_reserved(self, device_index: int | None = None) -> int:
-        if self._cuda:
-            return torch.cuda.max_memory_reserved(device_index)
-        return self.max_memory_allocated()
-
-    memory_cached = memory_reserved
-    max_memory_cached = max_memory_reserved
-
-    def reset_max_memory_cached(self, device_index: int | None = None) -> None:
-        self.reset_max_memory_allocated(device_index)
-
-    def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
-        self.reset_max_memory_allocated(device_index)
-
-    def memory_stats(self, device_index: int | None = None) -> dict[str, Any]:
-        if self._cuda:
-            return torch.cuda.memory_stats(device_index)
-        rss = self.get_rss()
-        return {
-            "allocated_bytes.all.current": rss,
-            "allocated_bytes.all.peak": self._peak_rss,
-            "reserved_bytes.all.current": rss,
-            "reserved_bytes.all.peak": self._peak_rss,
-        }
-
-    def total_memory(self, device_index: int | None = None) -> int:
-        if self._cuda:
-            return torch.cuda.get_device_properties(device_index or 0).total_memory
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-    def available_memory(self, device_index: int | None = None) -> int:
-        if self._cuda:
-            return torch.cuda.mem_get_info(device_index)[0]
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        del align_bytes
-        return tensor.pin_memory() if self._cuda else tensor
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return tensor.is_pinned() if self._cuda else False
-
-    # -- dtypes ---------------------------------------------------------------------------------
-
     def is_bf16_supported(self) -> bool:
         return torch.cuda.is_bf16_supported() if self._cuda else True
 
@@ -337,78 +471,13 @@ class Accelerator:
             dtypes.append(torch.bfloat16)
         return dtypes
 
-    def is_triton_supported(self) -> bool:
-        if not self._cuda or not torch.cuda.is_available():
-            return False
-        return torch.cuda.get_device_capability()[0] >= 8
-
-    def _tensor_class(self, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    def _tensor_type(self, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
         device = self._name
 
         def build(*data: Any) -> torch.Tensor:
             return torch.tensor(data[0] if data else [], dtype=dtype, device=device)
 
         return build
-
-    @property
-    def BFloat16Tensor(self) -> Callable[..., torch.Tensor]:
-        return self._tensor_class(torch.bfloat16)
-
-    @property
-    def ByteTensor(self) -> Callable[..., torch.Tensor]:
-        return self._tensor_class(torch.uint8)
-
-    @property
-    def DoubleTensor(self) -> Callable[..., torch.Tensor]:
-        return self._tensor_class(torch.float64)
-
-    @property
-    def FloatTensor(self) -> Callable[..., torch.Tensor]:
-        return self._tensor_class(torch.float32)
-
-    @property
-    def HalfTensor(self) -> Callable[..., torch.Tensor]:
-        return self._tensor_class(torch.float16)
-
-    @property
-    def IntTensor(self) -> Callable[..., torch.Tensor]:
-        return self._tensor_class(torch.int32)
-
-    @property
-    def LongTensor(self) -> Callable[..., torch.Tensor]:
-        return self._tensor_class(torch.int64)
-
-    # -- compiled ops and torch.compile ----------------------------------------------------------
-
-    def op_builder_dir(self) -> str:
-        return "shardspeed.ops"
-
-    def create_op_builder(self, op_name: str) -> None:
-        """DeepSpeed builds C++/CUDA extensions here; shardspeed has none to build."""
-        del op_name
-        return None
-
-    def get_op_builder(self, class_name: str) -> None:
-        del class_name
-        return None
-
-    def build_extension(self) -> type:
-        from torch.utils.cpp_extension import BuildExtension
-
-        return BuildExtension
-
-    def get_compile_backend(self) -> str:
-        return self._compile_backend
-
-    def set_compile_backend(self, backend: str) -> None:
-        import torch._dynamo
-
-        if backend not in torch._dynamo.list_backends(exclude_tags=()):
-            raise ValueError(
-                f"{backend!r} is not a torch.compile backend; available: "
-                f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))}"
-            )
-        self._compile_backend = backend
 
 
 _accelerator: Accelerator | None = None
