@@ -1,4 +1,5 @@
-"""Pieces shared by the benchmark scripts (bench_*.py).
+"""Pieces shared by the benchmark scripts not yet moved onto harness.py (bench_checkpoint,
+bench_offload, bench_offload_headline, bench_inference, bench_autotune, bench_hf, bench_gpu).
 
 The model, the batches, the timed loop a worker runs, how the orchestrator starts a worker under
 ``torch.distributed.run``, the rounds with load-noise detection, the ratio and per-mode tables, the
@@ -66,48 +67,17 @@ def ds_config(micro_batch: int, stage: int = 0) -> dict:
 
 
 def build_model():
+    """examples/gpt.py's GPT at this module's shape constants (read at call time, so scripts
+    scale it by setting them), with PyTorch's default initialisation, built under MODEL_SEED;
+    `model(x, y)` returns the loss."""
     import torch
-    import torch.nn.functional as F
-    from torch import nn
 
-    class Block(nn.Module):
-        def __init__(self, d: int, h: int):
-            super().__init__()
-            self.h = h
-            self.ln1 = nn.LayerNorm(d)
-            self.qkv = nn.Linear(d, 3 * d)
-            self.proj = nn.Linear(d, d)
-            self.ln2 = nn.LayerNorm(d)
-            self.fc1 = nn.Linear(d, 4 * d)
-            self.fc2 = nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            b, t, d = x.shape
-            q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-            q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-    class TinyLM(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok = nn.Embedding(VOCAB, D_MODEL)
-            self.pos = nn.Embedding(SEQ, D_MODEL)
-            self.blocks = nn.ModuleList(Block(D_MODEL, N_HEADS) for _ in range(N_LAYERS))
-            self.ln_f = nn.LayerNorm(D_MODEL)
-            self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
-
-        def forward(self, idx, targets):
-            t = idx.shape[1]
-            x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-            for blk in self.blocks:
-                x = blk(x)
-            logits = self.head(self.ln_f(x))
-            return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+    sys.path.insert(0, str(REPO / "examples"))
+    from gpt import GPT, GPTConfig
 
     torch.manual_seed(MODEL_SEED)
-    return TinyLM()
+    shape = dict(vocab_size=VOCAB, block_size=SEQ, n_layer=N_LAYERS, n_head=N_HEADS)
+    return GPT(GPTConfig(**shape, n_embd=D_MODEL, init="torch"))
 
 
 def make_batches(rank: int, n: int, micro_batch: int):

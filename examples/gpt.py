@@ -1,6 +1,11 @@
 """A small byte-level GPT (after nanoGPT): token + position embeddings, pre-norm transformer blocks
 with causal self-attention, a final LayerNorm and a linear output head. The head is not tied to the
-token embedding, so `state_dict()` has no shared tensors and saves as-is with safetensors.
+token embedding by default (`tie_head=False`), so `state_dict()` has no shared tensors and saves
+as-is with safetensors.
+
+The benchmarks (benchmarks/harness.py) build their models from this file too: `init="torch"` keeps
+PyTorch's default initialisation of every layer, and `tie_head=True` shares the token embedding's
+weight with the output head.
 
 `model(idx)` returns logits of shape (B, T, vocab_size); `model(idx, targets)` returns the mean
 cross-entropy loss (a scalar), so a training loop can write `loss = engine(x, y)`.
@@ -25,6 +30,8 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True
+    init: str = "gpt2"  # "gpt2": N(0, 0.02), scaled residual projections; "torch": torch's defaults
+    tie_head: bool = False  # the output head shares the token embedding's weight
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,12 +101,16 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-
-        self.apply(self._init_weights)
-        # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer).
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if config.tie_head:
+            self.lm_head.weight = self.wte.weight
+        if config.init not in ("gpt2", "torch"):
+            raise ValueError(f"init must be 'gpt2' or 'torch', got {config.init!r}")
+        if config.init == "gpt2":
+            self.apply(self._init_weights)
+            # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer).
+            for name, p in self.named_parameters():
+                if name.endswith("proj.weight"):
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -64,6 +64,24 @@ def test_too_long_sequence_is_refused():
         model(torch.zeros(1, SMALL.block_size + 1, dtype=torch.long))
 
 
+def test_tie_head_shares_the_token_embedding():
+    untied, tied = GPT(SMALL), GPT(SMALL, tie_head=True)
+    assert tied.lm_head.weight is tied.wte.weight
+    assert untied.num_parameters() - tied.num_parameters() == 256 * SMALL.n_embd
+
+
+def test_torch_init_keeps_pytorch_defaults():
+    """init="torch" (the benchmarks' model): the same weights as the same layers built by hand
+    under the same seed, e.g. N(0, 1) embeddings instead of GPT-2's N(0, 0.02)."""
+    torch.manual_seed(0)
+    model = GPT(SMALL, init="torch")
+    torch.manual_seed(0)
+    expected = torch.nn.Embedding(256, SMALL.n_embd).weight
+    assert torch.equal(model.wte.weight, expected)
+    with pytest.raises(ValueError, match="init"):
+        GPT(SMALL, init="xavier")
+
+
 @pytest.mark.parametrize("temperature,top_k", [(1.0, None), (0.8, 5), (0.0, None)])
 def test_generate_length(temperature, top_k):
     torch.manual_seed(0)

@@ -1,0 +1,221 @@
+"""Turns a benchmark's result JSON into markdown tables and writes them into BENCHMARKS.md.
+
+Each generated table sits between `<!-- table NAME/ID -->` and `<!-- /table -->` in BENCHMARKS.md;
+`write` replaces what is between the markers and leaves everything else (the prose findings, which
+are written by hand) as it is. A table without markers yet is appended at the end of the file.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+BENCH_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+MIB = 2**20
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence], align: str = "") -> str:
+    """A markdown table; `align` has one letter per column, 'r' for right-aligned (default
+    left). Cells are str()-ed; None becomes '-'."""
+    align = align.ljust(len(headers), "l")
+    lines = ["| " + " | ".join(headers) + " |"]
+    lines.append("|" + "|".join("---:" if a == "r" else "---" for a in align) + "|")
+    for row in rows:
+        lines.append("| " + " | ".join("-" if c is None else str(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+def fmt(value, spec: str = ".0f", missing: str = "-") -> str:
+    return missing if value is None or value != value else format(value, spec)
+
+
+def ratio(a, b, spec: str = ".3f") -> str:
+    return format(a / b, spec) if a and b else "-"
+
+
+def runs(results: dict, mode: str) -> list[dict]:
+    return results["runs"].get(mode) or []
+
+
+def med(results: dict, mode: str, key: str | Callable = "tokens_per_s"):
+    """Median over rounds of a rank-0 value (a key or a function of the run); None if no run."""
+    values = [key(r) if callable(key) else r.get(key) for r in runs(results, mode)]
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def per_rank(results: dict, mode: str, fn: Callable, agg: Callable = statistics.median) -> list:
+    """fn(rank result) for each rank, aggregated over rounds (median by default)."""
+    rs = runs(results, mode)
+    if not rs:
+        return []
+    return [agg([fn(run["ranks"][r]) for run in rs]) for r in range(len(rs[0]["ranks"]))]
+
+
+def slash(values: Sequence, spec: str = ".1f") -> str:
+    return " / ".join(fmt(v, spec) for v in values) or "-"
+
+
+def failure(results: dict, mode: str) -> str:
+    f = results.get("failed", {}).get(mode)
+    if f is None:
+        return "not run"
+    return f"skipped: {f['skipped']}" if "skipped" in f else f"error: {f['error']}"
+
+
+def ratio_table(results: dict, comparisons: Sequence[tuple]) -> str:
+    """One row per (ours, baseline, target, label): median tokens/s of both, their ratio, the
+    per-round ratios, the target and whether it was met (target None: information only)."""
+    rows = []
+    for a, b, target, label in comparisons:
+        ma, mb = med(results, a), med(results, b)
+        if ma is None and mb is None:
+            continue
+        pairs = zip(runs(results, a), runs(results, b))
+        per_round = ", ".join(f"{x['tokens_per_s'] / y['tokens_per_s']:.3f}" for x, y in pairs)
+        r = ma / mb if ma and mb else None
+        verdict = (
+            "not measured"
+            if r is None
+            else "info only"
+            if target is None
+            else ("met" if r >= target else "MISSED")
+        )
+        rows.append(
+            [
+                label,
+                fmt(ma) if ma else failure(results, a),
+                fmt(mb) if mb else failure(results, b),
+                fmt(r, ".3f", "n/a"),
+                per_round or "-",
+                "-" if target is None else f">= {target:.2f}",
+                verdict,
+            ]
+        )
+    return table(
+        [
+            "comparison",
+            "ours tok/s",
+            "baseline tok/s",
+            "ratio (median)",
+            "per-round ratios",
+            "target",
+            "result",
+        ],
+        rows,
+        "lrrrlrl",
+    )
+
+
+def mode_table(results: dict, modes: Iterable[str] | None = None) -> str:
+    """Per mode: world size, median tokens/s, every round (noisy ones marked *), ms/step, peak
+    RSS per rank, first -> last loss, other load per round."""
+    rows = []
+    for mode in modes or results["runs"]:
+        rs = runs(results, mode)
+        if not rs:
+            rows.append([mode, "-", failure(results, mode), "-", "-", "-", "-", "-"])
+            continue
+        rounds = ", ".join(f"{r['tokens_per_s']:.0f}{'*' * bool(r.get('noisy'))}" for r in rs)
+        rows.append(
+            [
+                mode,
+                rs[0]["world_size"],
+                fmt(med(results, mode)),
+                rounds,
+                fmt(med(results, mode, "step_ms")),
+                fmt(max(r["peak_rss_mib"] for r in rs)),
+                f"{rs[0]['first_loss']:.4f} -> {rs[0]['last_loss']:.4f}",
+                ", ".join(fmt(r.get("other_load"), ".2f") for r in rs),
+            ]
+        )
+    return table(
+        [
+            "mode",
+            "world size",
+            "tokens/s (median)",
+            "all rounds",
+            "ms/step",
+            "peak RSS per rank (MiB)",
+            "loss first -> last",
+            "other load (cores, per round)",
+        ],
+        rows,
+        "lrrlrrll",
+    )
+
+
+def comm_text(calls: dict, nbytes: dict) -> str:
+    """'all_reduce 49 x (96.0 MiB), ...' from a CommCounter snapshot."""
+    return ", ".join(f"{k} {calls[k]} x ({nbytes[k] / MIB:.1f} MiB)" for k in sorted(calls)) or (
+        "none seen"
+    )
+
+
+def loss_lines(results: dict, reference: str, tolerance: float, key: str = "losses") -> str:
+    """Each mode's losses against the reference mode's: first and last, the first step's
+    relative difference (within `tolerance`?) and the largest over all steps."""
+    ref = runs(results, reference)
+    ref_losses = ref[0][key] if ref else None
+    rows = []
+    for mode, rs in results["runs"].items():
+        if not rs:
+            continue
+        losses = rs[0][key]
+        first = worst = None
+        if ref_losses and mode != reference:
+            first = abs(losses[0] - ref_losses[0]) / abs(ref_losses[0])
+            worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        within = None if first is None else ("yes" if first <= tolerance else "NO")
+        rows.append(
+            [
+                mode,
+                f"{losses[0]:.5f}",
+                f"{losses[-1]:.5f}",
+                len(losses),
+                fmt(first, ".1e"),
+                within,
+                fmt(worst, ".1e"),
+            ]
+        )
+    return table(
+        [
+            "mode",
+            "first loss",
+            "last loss",
+            "steps",
+            f"first step vs {reference} (relative)",
+            f"within {tolerance:g}",
+            "largest over all steps",
+        ],
+        rows,
+        "lrrrrlr",
+    )
+
+
+def run_line(results: dict) -> str:
+    """The provenance line of a rendered run."""
+    m = results["meta"]
+    versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+    return (
+        f"Run of {m['date']} ({m['machine']}; {versions}; shardspeed at commit {m['commit']}): "
+        f"`{m['command']}`, {m['total_s']:.0f}s; {m['discarded']} run(s) rerun for other "
+        f"load, {m['noisy']} noisy run(s) kept (marked *)."
+    )
+
+
+def write(name: str, tables: dict[str, str], path: Path = BENCH_MD) -> None:
+    """Replace each table `name/ID` between its markers in BENCHMARKS.md (append new ones)."""
+    text = path.read_text()
+    for tid, body in tables.items():
+        start, end = f"<!-- table {name}/{tid} -->", "<!-- /table -->"
+        block = f"{start}\n{body}\n{end}"
+        pattern = re.compile(re.escape(start) + r"\n.*?" + re.escape(end), re.S)
+        if pattern.search(text):
+            text = pattern.sub(lambda _m, b=block: b, text, count=1)
+        else:
+            text = text.rstrip("\n") + f"\n\n{block}\n"
+    path.write_text(text)
+    print(f"wrote {len(tables)} table(s) of {name} into {path.name}")
