@@ -83,6 +83,7 @@ class PassTimer:
 def ours_pipeline(world: int, schedule: str, m: int, timer: PassTimer, rank: int):
     import shardspeed
     from shardspeed import pipe
+    from shardspeed.pipe.engine import PipelineSchedule
     from shardspeed.pipe.schedule import max_in_flight, train_schedule
 
     name, chunks = SCHEDULES[schedule]
@@ -96,7 +97,8 @@ def ours_pipeline(world: int, schedule: str, m: int, timer: PassTimer, rank: int
     )
     cfg = h.config(GLOBAL_BATCH // m, gradient_accumulation_steps=m, pipeline={"schedule": name})
     engine, *_ = shardspeed.initialize(model=model, config=cfg)
-    engine._forward, engine._backward = timer.wrap(engine._forward), timer.wrap(engine._backward)
+    part = next(p for p in engine.components if isinstance(p, PipelineSchedule))
+    part._forward, part._backward = timer.wrap(part._forward), timer.wrap(part._backward)
     engine._apply_step = timer.mark(engine._apply_step, "reduce")
     live = max_in_flight(train_schedule(name, world, m, chunks)[rank])
     return engine, {"schedule_live": live, "virtual_stages": chunks}

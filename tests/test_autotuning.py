@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from shardspeed import cli
 from shardspeed.autotuning.planner import (
     Candidate,
     Measurement,
@@ -548,7 +549,7 @@ def test_shardspeed_autotuning_run(
     monkeypatch.setenv("FAKE_TRAINED", str(tmp_path / "trained.json"))
     args = _setup(tmp_path, {"tuner_num_trials": 3, "max_train_micro_batch_size_per_gpu": 8})
     argv = ["--num_gpus", "1", "--autotuning", "run", args.user_script, *args.user_args]
-    assert runner.main(argv) == 0
+    assert cli.main(argv) == 0
     assert "best: z0_mbs8_gas1" in capsys.readouterr().err
     trained = json.loads((tmp_path / "trained.json").read_text())
     optimal = tmp_path / "autotuning_results" / "ds_config_optimal.json"
@@ -605,7 +606,7 @@ def test_the_engine_measures_trials(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     }
     (tmp_path / "ds.json").write_text(json.dumps(config))
     argv = ["--num_gpus", "1", "--autotuning", "tune", "train.py", "--deepspeed_config", "ds.json"]
-    assert runner.main(argv) == 0
+    assert cli.main(argv) == 0
     summary = json.loads((tmp_path / "autotuning_results" / "summary.json").read_text())
     measured = [t for t in summary["trials"] if t["status"] == "ok"]
     assert len(measured) == 2

@@ -85,11 +85,11 @@ def test_alias_does_not_leak_into_a_plain_process(tmp_path: Path) -> None:
     # importing shardspeed alone makes "deepspeed" resolve to it.
     probe = (
         "import importlib.util, sys\n"
-        "import shardspeed, shardspeed.compat\n"
+        "import shardspeed, shardspeed.alias, shardspeed.compat\n"
         "spec = importlib.util.find_spec('deepspeed')\n"
         "assert sys.modules.get('deepspeed') is not shardspeed\n"
-        "assert spec is None or not isinstance(spec.loader, shardspeed.compat._AliasLoader)\n"
-        "assert not any(isinstance(f, shardspeed.compat._AliasFinder) for f in sys.meta_path)\n"
+        "assert spec is None or not isinstance(spec.loader, shardspeed.alias._AliasLoader)\n"
+        "assert not any(isinstance(f, shardspeed.alias._AliasFinder) for f in sys.meta_path)\n"
     )
     result = _run(["-c", probe], tmp_path)
     assert result.returncode == 0, result.stderr

@@ -17,7 +17,7 @@ from torch import nn
 
 import shardspeed
 from reference_training import GLOBAL_BATCH, LR, batch, config, make_model
-from shardspeed import compat
+from shardspeed import alias, compat
 from shardspeed.accelerator import Accelerator, get_accelerator, set_accelerator
 from shardspeed.utils import (
     groups,
@@ -510,7 +510,7 @@ def test_log_dist_logs_on_the_ranks_asked(caplog: pytest.LogCaptureFixture) -> N
 def test_deepspeed_distribution_answers_only_ordinary_lookups(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    finder = compat._AliasFinder()
+    finder = alias._AliasFinder()
     monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
     assert importlib.metadata.version("deepspeed") == compat.DEEPSPEED_VERSION
     assert "shardspeed" in importlib.metadata.metadata("deepspeed")["Summary"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -684,3 +685,23 @@ def test_real_run_binds_each_process_to_its_cores(tmp_path: Path) -> None:
     for rank in (0, 1):
         expected = allowed[share * rank : share * (rank + 1)]
         assert (tmp_path / f"rank{rank}").read_text() == f"{expected} {share}"
+
+
+# --- the shardspeed command above the launcher and the tuner ----------------------------------------
+
+
+def test_console_scripts_name_functions_that_exist() -> None:
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    section = pyproject.split("[project.scripts]\n", 1)[1].split("\n[", 1)[0]
+    scripts = dict(re.findall(r'^([\w-]+) = "([\w.:]+)"$', section, re.MULTILINE))
+    assert scripts["shardspeed"] == "shardspeed.cli:main"
+    for name, target in scripts.items():
+        module, function = target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), name
+
+
+def test_the_runner_leaves_autotuning_to_the_shardspeed_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert runner.main(["--autotuning", "tune", "train.py"]) == 2
+    assert "--autotuning is run by the shardspeed command" in capsys.readouterr().err

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..common.observer import StepObserver
+
 
 def _rss_bytes() -> int:
     """Peak resident set size of this process so far (Linux reports KiB)."""
@@ -34,8 +36,9 @@ def _current_rss_bytes() -> int:
         return _rss_bytes()
 
 
-class AutotuningMeter:
-    """Step timing and memory for one autotuning trial (see the module docstring)."""
+class AutotuningMeter(StepObserver):
+    """Step timing and memory for one autotuning trial (see the module docstring); the engine
+    calls it around each forward and after each optimizer step."""
 
     def __init__(
         self,
@@ -64,11 +67,11 @@ class AutotuningMeter:
         return self.activation_bytes is None and global_steps + 1 == self.start
 
     @contextmanager
-    def forward(self, global_steps: int, parameters: set[int]) -> Iterator[None]:
+    def forward(self, engine: Any) -> Iterator[None]:
         """Around a forward: note the first one's time, and count saved activations when due."""
         if self.first_forward is None:
             self.first_forward = time.perf_counter()
-        if not self.wants_activations(global_steps):
+        if not self.wants_activations(engine.global_steps):
             yield
             return
         if self.cuda:
@@ -76,6 +79,7 @@ class AutotuningMeter:
             yield
             self.activation_bytes = torch.cuda.memory_allocated() - before
             return
+        parameters = {id(p) for p in engine.module.parameters()}
         seen: set[int] = set()
         total = [0]
 
@@ -91,8 +95,9 @@ class AutotuningMeter:
             yield
         self.activation_bytes = total[0]
 
-    def after_step(self, global_steps: int, model: nn.Module) -> None:
+    def after_step(self, engine: Any) -> None:
         """After optimizer step `global_steps`: time the window; at its end write and stop."""
+        global_steps = engine.global_steps
         if global_steps not in (self.start - 1, self.end):
             return
         if self.cuda:
@@ -105,7 +110,7 @@ class AutotuningMeter:
             return
         start = self.window_start if self.window_start is not None else self.first_forward
         step_time = (now - start) / (self.end - self.start + 1)
-        self._write(step_time, model)
+        self._write(step_time, engine.module)
         if dist.is_initialized():
             dist.barrier()
         sys.exit(0)  # the trial has what it came for

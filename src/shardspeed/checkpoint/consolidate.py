@@ -281,64 +281,85 @@ def write_safetensors(
             + ", ".join(f"{a} (= {s})" for a, s in dropped.items())
         )
     shards = plan_shards(kept, max_shard_size, dtype)
+    fresh = not output.exists()
+    if not fresh and not output.is_dir():
+        raise CheckpointError(f"{output}: exists and is not a directory")
+    staging = _staging_directory(output, fresh)
+    try:
+        written = _write_export(staging, kept, shards, dtype)
+        if fresh:
+            staging.rename(output)
+            fsync_dir(output.parent)
+        else:
+            _replace_export(staging, output, written)
+        return written
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _staging_directory(output: Path, fresh: bool) -> Path:
+    """A new hidden directory to write the export in: a sibling of a new `output`, else inside it."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    unique = f"{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    staging = output.parent / f".{output.name}.{unique}" if fresh else output / f".export.{unique}"
+    staging.mkdir()  # not tempfile.mkdtemp: its mode 0700 would stay with a renamed directory
+    return staging
+
+
+def _write_export(
+    staging: Path, kept: dict[str, Any], shards: list[list[str]], dtype: torch.dtype | None
+) -> list[str]:
+    """Write each shard's file (and, for several, the index) into `staging`, fsynced; returns
+    the file names, the index (or the single file) last."""
+    from safetensors.torch import save_file
+
     if len(shards) == 1:
         names = [SINGLE]
     else:
         names = [
             f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)
         ]
-
-    fresh = not output.exists()
-    if not fresh and not output.is_dir():
-        raise CheckpointError(f"{output}: exists and is not a directory")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    unique = f"{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    staging = output.parent / f".{output.name}.{unique}" if fresh else output / f".export.{unique}"
-    staging.mkdir()  # not tempfile.mkdtemp: its mode 0700 would stay with a renamed directory
     # safetensors creates files readable by their owner only; give them the umask's usual mode.
     file_mode = staging.stat().st_mode & 0o666
-    try:
-        from safetensors.torch import save_file
+    total = 0
+    weight_map = {}
+    for file, members in zip(names, shards):
+        tensors = _tensors_for_file(((n, kept[n]) for n in members), dtype)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        save_file(tensors, str(staging / file), metadata={"format": "pt"})
+        os.chmod(staging / file, file_mode)
+        _fsync(staging / file)
+        weight_map.update(dict.fromkeys(members, file))
+        del tensors
+    written = list(names)
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(staging / INDEX, "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        written.append(INDEX)
+    fsync_dir(staging)
+    return written
 
-        total = 0
-        weight_map = {}
-        for file, members in zip(names, shards):
-            tensors = _tensors_for_file(((n, kept[n]) for n in members), dtype)
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-            save_file(tensors, str(staging / file), metadata={"format": "pt"})
-            os.chmod(staging / file, file_mode)
-            _fsync(staging / file)
-            weight_map.update(dict.fromkeys(members, file))
-            del tensors
-        written = list(names)
-        if len(names) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            with open(staging / INDEX, "w") as f:
-                json.dump(index, f, indent=2, sort_keys=True)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            written.append(INDEX)
-        fsync_dir(staging)
-        if fresh:
-            staging.rename(output)
-            fsync_dir(output.parent)
-            return written
-        for file in written:  # the index, or the single file, last: it commits the export
-            os.replace(staging / file, output / file)
+
+def _replace_export(staging: Path, output: Path, written: list[str]) -> None:
+    """Move the files `written` from `staging` into the existing `output`, the last one (the index
+    or the single file) committing the export; then remove an earlier export's files it no
+    longer uses."""
+    for file in written:
+        os.replace(staging / file, output / file)
+    fsync_dir(output)
+    stale = [
+        p
+        for p in output.iterdir()
+        if p.name not in written and (p.name in (SINGLE, INDEX) or _SHARD.fullmatch(p.name))
+    ]
+    for p in stale:
+        p.unlink()
+    if stale:
         fsync_dir(output)
-        stale = [
-            p
-            for p in output.iterdir()
-            if p.name not in written and (p.name in (SINGLE, INDEX) or _SHARD.fullmatch(p.name))
-        ]
-        for p in stale:
-            p.unlink()
-        if stale:
-            fsync_dir(output)
-        return written
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def consolidate(

@@ -209,62 +209,95 @@ class _RankFiles:
         self._pending, self._bytes = {}, 0
 
 
+class _LogicalTensors:
+    """The manifest's logical tensors as this rank collects them: name -> shape, dtype and the
+    pieces [file key, start, length, offset in the logical tensor] this rank writes.
+
+    A tensor-parallel rank's piece of a split parameter is a logical tensor of its own
+    (`tp/<name>/<tp rank>`); `splits` records how the manifest joins the pieces back."""
+
+    def __init__(self, engine: Any) -> None:
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.splits: dict[str, dict[str, Any]] = {}
+        self._split_params = tensor_parallel_splits(engine)
+        self._tp_rank = engine.topology.tp_rank
+
+    def stored_name(self, logical_name: str, param_name: str) -> str:
+        """The name `logical_name` (of parameter `param_name`'s tensor) is saved under."""
+        split = self._split_params.get(param_name)
+        if split is None:
+            return logical_name
+        self.splits[logical_name] = {"dim": split.dim, "stride": split.stride, "parts": split.parts}
+        return f"tp/{logical_name}/{self._tp_rank}"
+
+    def add(
+        self, name: str, key: str, value: torch.Tensor, piece: tuple[int, int, int], shape: Any
+    ) -> None:
+        """Record that file tensor `key` holds `piece` (start, length, offset) of `name`."""
+        entry = self.entries.setdefault(
+            name, {"shape": list(shape), "dtype": DTYPE_NAMES[value.dtype], "pieces": []}
+        )
+        entry["pieces"].append([key, *piece])
+
+
 def _collect(
     engine: Any, tensors: _RankFiles, client_state: dict[str, Any] | None, exclude_frozen: bool
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Add this rank's tensors to `tensors`; (logical tensors -> [(key, start, length, offset)],
     JSON state)."""
-    zopt = engine.optimizer
-    logical: dict[str, dict[str, Any]] = {}
     rank = get_rank()
     # What every replica of a stage holds alike, the first replica writes: rank 0 without a
     # pipeline, data-parallel rank 0 of each stage with one.
     topology = engine.topology
     model_parallel = topology.num_stages > 1 or topology.tp_world_size > 1
     writes_replicated = topology.dp_rank == 0 if model_parallel else rank == 0
+    logical = _LogicalTensors(engine)
+    _collect_masters(engine.optimizer, tensors, logical, writes_replicated)
+    _collect_whole_tensors(engine, tensors, logical, writes_replicated, exclude_frozen)
+    rank_state: dict[str, Any] = {
+        "rng": encode(_rng_state(), tensors, f"rng.{rank}."),
+        "splits": logical.splits,
+    }
+    if rank == 0:
+        rank_state["shared"] = _shared_state(engine, tensors, client_state)
+    return logical.entries, rank_state
 
-    def add(name: str, key: str, value: torch.Tensor, start: int, length: int, shape) -> None:
-        entry = logical.setdefault(
-            name, {"shape": list(shape), "dtype": DTYPE_NAMES[value.dtype], "pieces": []}
-        )
-        entry["pieces"].append([key, start, length])
 
+def _collect_masters(
+    zopt: Any, tensors: _RankFiles, logical: _LogicalTensors, writes_replicated: bool
+) -> None:
+    """Each master tensor this rank writes and its per-element optimizer states, as pieces of the
+    parameters they hold. Shards are each rank's own; whole copies are written once
+    (expert-parallel experts by the first rank holding them)."""
     shapes = dict(zip(zopt.param_names, zopt.layout.shapes))
-    splits = tensor_parallel_splits(engine)
-    tp_rank = topology.tp_rank
-
-    def stored(logical_name: str, name: str) -> str:
-        # A tensor-parallel rank's piece is a logical tensor of its own; the manifest's
-        # `splits` joins the pieces back under `logical_name`.
-        if name not in splits:
-            return logical_name
-        split = splits[name]
-        splits_seen[logical_name] = {"dim": split.dim, "stride": split.stride, "parts": split.parts}
-        return f"tp/{logical_name}/{tp_rank}"
-
-    splits_seen: dict[str, dict[str, Any]] = {}
     for k, pieces in enumerate(zopt.master_pieces()):
-        # Shards are each rank's own; whole copies are written once (expert-parallel experts by
-        # the first rank holding them).
-        if zopt.writes_master(k, writes_replicated):
-            flat = zopt.master_value(k)
-            tensors[f"master.{k}"] = flat
-            state = zopt.state_of(k)
-            sized = {n: v.reshape(-1) for n, v in state.items() if per_element(v, flat.numel())}
+        if not zopt.writes_master(k, writes_replicated):
+            continue
+        flat = zopt.master_value(k)
+        tensors[f"master.{k}"] = flat
+        state = zopt.state_of(k)
+        sized = {n: v.reshape(-1) for n, v in state.items() if per_element(v, flat.numel())}
+        for n, v in sized.items():
+            tensors[f"optim.{n}.{k}"] = v.detach()
+        for name, start, offset, length in pieces:
+            piece = (start, length, offset)
+            key = logical.stored_name(f"param/{name}", name)
+            logical.add(key, f"master.{k}", flat, piece, shapes[name])
             for n, v in sized.items():
-                tensors[f"optim.{n}.{k}"] = v.detach()
-            for name, start, offset, length in pieces:
-                shape = shapes[name]
-                key = stored(f"param/{name}", name)
-                add(key, f"master.{k}", flat, start, length, shape)
-                logical[key]["pieces"][-1].append(offset)
-                for n, v in sized.items():
-                    key = stored(f"optim/{n}/{name}", name)
-                    add(key, f"optim.{n}.{k}", v, start, length, shape)
-                    logical[key]["pieces"][-1].append(offset)
-    # Frozen parameters and persistent buffers (the state dict less every parameter name, second
-    # names of tied ones too), whole: one copy each, written by its first holder.
-    managed = set(zopt.params)
+                key = logical.stored_name(f"optim/{n}/{name}", name)
+                logical.add(key, f"optim.{n}.{k}", v, piece, shapes[name])
+
+
+def _collect_whole_tensors(
+    engine: Any,
+    tensors: _RankFiles,
+    logical: _LogicalTensors,
+    writes_replicated: bool,
+    exclude_frozen: bool,
+) -> None:
+    """Frozen parameters and persistent buffers (the state dict less every parameter name, second
+    names of tied ones too), whole: one copy each, written by its first holder."""
+    managed = set(engine.optimizer.params)
     param_names = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
     whole = [
         ("buffer", "buffer", n, b)
@@ -280,38 +313,37 @@ def _collect(
             key = f"{prefix}.{name}"
             tensors[key] = value.detach().reshape(-1)
             # A frozen parameter split over tensor-parallel ranks is saved as a piece of the whole.
-            stored_name = stored(f"{kind}/{name}", module_name)
-            add(stored_name, key, value, 0, value.numel(), value.shape)
-            logical[stored_name]["pieces"][-1].append(0)
+            stored_name = logical.stored_name(f"{kind}/{name}", module_name)
+            logical.add(stored_name, key, value, (0, value.numel(), 0), value.shape)
 
-    rank_state: dict[str, Any] = {
-        "rng": encode(_rng_state(), tensors, f"rng.{rank}."),
-        "splits": splits_seen,
+
+def _shared_state(
+    engine: Any, tensors: _RankFiles, client_state: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The training state every rank shares (rank 0 saves it): optimizer hyperparameters, loss
+    scaler, scheduler, counters, data loader position and the caller's `client_state`."""
+    return {
+        "optimizer": _optimizer_json(engine.optimizer, tensors),
+        "loss_scaler": encode(engine.optimizer.loss_scaler.state_dict(), tensors, "extra."),
+        "lr_scheduler": encode(
+            engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            tensors,
+            "extra.",
+        ),
+        "counters": {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps,
+            "_first_micro_step": engine._first_micro_step,
+        },
+        "data_loader": (
+            engine.training_dataloader.state_dict()
+            if engine.training_dataloader is not None
+            else None
+        ),
+        "client_state": encode(client_state or {}, tensors, "client.", "client_state"),
     }
-    if rank == 0:
-        rank_state["shared"] = {
-            "optimizer": _optimizer_json(zopt, tensors),
-            "loss_scaler": encode(zopt.loss_scaler.state_dict(), tensors, "extra."),
-            "lr_scheduler": encode(
-                engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                tensors,
-                "extra.",
-            ),
-            "counters": {
-                "global_steps": engine.global_steps,
-                "global_samples": engine.global_samples,
-                "micro_steps": engine.micro_steps,
-                "skipped_steps": engine.skipped_steps,
-                "_first_micro_step": engine._first_micro_step,
-            },
-            "data_loader": (
-                engine.training_dataloader.state_dict()
-                if engine.training_dataloader is not None
-                else None
-            ),
-            "client_state": encode(client_state or {}, tensors, "client.", "client_state"),
-        }
-    return logical, rank_state
 
 
 def _optimizer_json(zopt: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:

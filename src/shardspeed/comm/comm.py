@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..common.net import free_port, port_is_free
 from ..config.errors import ConfigError
-from ..utils.net import free_port, port_is_free
 from .logger import comms_logger
 
 ReduceOp = dist.ReduceOp

@@ -2,8 +2,9 @@
 
 DeepSpeed keeps its groups in module globals that `initialize` fills; libraries built on it
 (accelerate, transformers, TRL) and user code read them through these functions. Here they read the
-`Topology` of the most recent `initialize` (`use_topology`), or the whole world before one. A group
-of None is the default (world) group, as everywhere in torch.distributed.
+`Topology` (the mesh) of the most recent `initialize` (`use_topology`), or the world's mesh before
+one; every group is the mesh's. A group of None is the default (world) group, as everywhere in
+torch.distributed.
 
 shardspeed has no sequence parallelism yet: the sequence-parallel group is this rank alone (size 1),
 and the sequence-data-parallel group is the data-parallel group, which is what DeepSpeed reports
@@ -19,7 +20,6 @@ import torch.distributed as dist
 from .topology import Topology
 
 _topology: Topology | None = None
-_single_rank_groups: dict[int, Any] = {}
 
 
 def use_topology(topology: Topology) -> None:
@@ -36,17 +36,7 @@ def _current() -> Topology:
             "the process group is not initialized: call deepspeed.init_distributed() or "
             "deepspeed.initialize() first"
         )
-    return Topology.build()
-
-
-def _self_group() -> Any:
-    """A group holding this rank alone: collective the first time (every rank makes every one)."""
-    rank = dist.get_rank()
-    if rank not in _single_rank_groups:
-        from .topology import subgroup
-
-        _single_rank_groups[rank] = subgroup([[r] for r in range(dist.get_world_size())])
-    return _single_rank_groups[rank]
+    return Topology.world()
 
 
 def initialize(ep_size: int = 1, mpu: Any = None) -> None:
@@ -118,27 +108,27 @@ def get_tensor_model_parallel_src_rank() -> int:
 
 
 def _get_sequence_parallel_group() -> Any:
-    return _self_group()
+    return _current().get_sequence_parallel_group()
 
 
 def _get_sequence_parallel_world_size() -> int:
-    return 1
+    return _current().get_sequence_parallel_world_size()
 
 
 def _get_sequence_parallel_rank() -> int:
-    return 0
+    return _current().get_sequence_parallel_rank()
 
 
 def _get_sequence_data_parallel_group() -> Any:
-    return _get_data_parallel_group()
+    return _current().get_sequence_data_parallel_group()
 
 
 def _get_sequence_data_parallel_world_size() -> int:
-    return _get_data_parallel_world_size()
+    return _current().get_sequence_data_parallel_world_size()
 
 
 def _get_sequence_data_parallel_rank() -> int:
-    return _get_data_parallel_rank()
+    return _current().get_sequence_data_parallel_rank()
 
 
 # -- expert parallel: group names are DeepSpeed's "ep_size_<N>" ----------------------------------

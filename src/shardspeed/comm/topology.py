@@ -1,11 +1,13 @@
-"""Who this rank is, and every process group it talks over: the one place groups are made.
+"""The parallel mesh (`Topology`): who this rank is on every axis, and every process group it
+talks over. `subgroup()` is the one place groups are made.
 
 A `ProcessTopology` (DeepSpeed's class of that name) is a mesh of named axes, the last varying
 fastest: with axes (pipe, data) and sizes (2, 2), ranks 0 and 1 are stage 0's two data-parallel
 replicas. `Topology` is this rank's view of it: its coordinates, the data-parallel group it averages
-gradients over, the pipeline group its stages form and the tensor-parallel group its split layers
-use. A Megatron-style `mpu` is honoured. `PipelineParallelGrid` is DeepSpeed's face on the same
-groups.
+gradients over, the pipeline group its stages form, the tensor-parallel group its split layers use,
+and on request the groups a model needs: a tied weight's stages, expert layouts, runs of
+data-parallel ranks for inference tensor parallelism. A Megatron-style `mpu` is honoured.
+`PipelineParallelGrid` and `deepspeed.utils.groups` (`groups.py`) are DeepSpeed's faces on it.
 
 Expert parallelism splits each data-parallel group further (`Topology.expert_groups`): runs of
 `ep_size` consecutive data-parallel ranks share out a mixture-of-experts layer's experts (the expert
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections import namedtuple
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,9 +146,17 @@ class ExpertGroups:
 
 @dataclass(frozen=True)
 class Topology:
-    """This rank's place and groups: data-parallel (gradients averaged, ZeRO shards), pipeline
-    (stages), tensor-parallel (layers split), and model-parallel (pipeline x tensor: the ranks
-    whose parameters together make one model, for gradient norms).
+    """The parallel mesh: this rank's place on every axis, and every process group it talks over.
+
+    Axes: data (gradients averaged, ZeRO shards), pipeline (stages), tensor (layers split),
+    sequence (one rank per sequence for now: its group is this rank alone, and the ranks ZeRO
+    shards over, data x sequence as in DeepSpeed, are the data-parallel group), and expert (carved
+    out of data, one layout per `ep_size`). The model-parallel group (pipeline x tensor: the ranks
+    whose parameters together make one model) serves gradient norms. Groups the axes imply are
+    made when the mesh is built; those that depend on a model (expert sizes, the stages a tied
+    weight spans, runs of data-parallel ranks for inference tensor parallelism, the one-rank
+    group) are made on first request, once per mesh, and handed out again after. Every group
+    comes from here, through `subgroup()`.
 
     A group of None means the default (world) group. `mesh` is set when the ranks form a
     `ProcessTopology`. The Megatron `mpu` methods (`get_data_parallel_group()`, ...) are offered,
@@ -166,31 +176,26 @@ class Topology:
     tp_group: Any = None
     mp_group: Any = None
     mesh: ProcessTopology | None = field(default=None, compare=False)
-    _experts: dict[tuple[int, bool], ExpertGroups] = field(
-        default_factory=dict, compare=False, repr=False
-    )
-    _runs: dict[int, tuple[Any, int]] = field(default_factory=dict, compare=False, repr=False)
+    # Groups made on request, by what was asked (collective the first time, so cached).
+    _requested: dict[tuple[Any, ...], Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, mpu: Any = None, tensor_parallel: int = 1) -> Topology:
-        """From a user's `mpu`, or for `tensor_parallel` ranks per layer (a data x tensor mesh)."""
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        """From a user's `mpu`, or the world's mesh with `tensor_parallel` ranks per layer (data x
+        tensor; 0 or 1: none); the same mesh, groups and all, for every call with the same sizes
+        in one world."""
         if mpu is not None:
             if tensor_parallel > 1:
                 raise ValueError(
                     "pass an mpu or ask for tensor parallelism in the config, not both"
                 )
-            return _from_mpu(mpu, rank, world)
-        if tensor_parallel > 1:
-            if world % tensor_parallel:
-                raise ValueError(
-                    f"tensor_parallel.autotp_size {tensor_parallel} must divide the world size "
-                    f"{world}"
-                )
-            mesh = PipeModelDataParallelTopology(1, tensor_parallel, world // tensor_parallel)
-            return cls.from_mesh(mesh)
-        return cls(rank, world, rank, world, None)
+            return _from_mpu(mpu)
+        return _world_mesh(max(tensor_parallel, 1))
+
+    @classmethod
+    def world(cls) -> Topology:
+        """The whole world as one data-parallel group (built once per process group)."""
+        return _world_mesh(1)
 
     @classmethod
     def from_mesh(cls, mesh: ProcessTopology) -> Topology:
@@ -215,22 +220,28 @@ class Topology:
         model_lists = [mesh.filter_match(data=d) for d in range(max(mesh.get_dim("data"), 1))]
         mp_group = subgroup(model_lists)
         topology = cls(
-            rank,
-            world,
-            coord.get("data", 0),
-            max(mesh.get_dim("data"), 1),
-            dp_group,
-            coord.get("pipe", 0),
-            max(mesh.get_dim("pipe"), 1),
-            pipe_group,
-            coord.get("model", 0),
-            max(mesh.get_dim("model"), 1),
-            tp_group,
-            mp_group,
-            mesh,
+            rank=rank,
+            world_size=world,
+            dp_rank=coord.get("data", 0),
+            dp_world_size=max(mesh.get_dim("data"), 1),
+            dp_group=dp_group,
+            stage=coord.get("pipe", 0),
+            num_stages=max(mesh.get_dim("pipe"), 1),
+            pipe_group=pipe_group,
+            tp_rank=coord.get("model", 0),
+            tp_world_size=max(mesh.get_dim("model"), 1),
+            tp_group=tp_group,
+            mp_group=mp_group,
+            mesh=mesh,
         )
         mesh._shardspeed_topology = topology
         return topology
+
+    def _requested_group(self, key: tuple[Any, ...], rank_lists: Callable[[], list]) -> Any:
+        """The group made for `key` from `rank_lists()` (collective the first time)."""
+        if key not in self._requested:
+            self._requested[key] = subgroup(rank_lists())
+        return self._requested[key]
 
     def _data_lists(self) -> list[list[int]]:
         """The global ranks of every data-parallel group, in data-parallel rank order."""
@@ -245,39 +256,58 @@ class Topology:
         )
 
     def data_parallel_runs(self, size: int) -> tuple[Any, int]:
-        """(group, this rank's index in it) of `size` consecutive data-parallel ranks: the hybrid
-        engine's inference tensor-parallel group (collective the first time for each size)."""
-        if size not in self._runs:
-            if size < 1 or self.dp_world_size % size:
-                raise ValueError(f"{size} must divide the data-parallel size {self.dp_world_size}")
-            group = subgroup(_runs(self._data_lists(), size))
-            self._runs[size] = (group, self.dp_rank % size)
-        return self._runs[size]
+        """(group, this rank's index in it) of `size` consecutive data-parallel ranks: inference
+        tensor parallelism (the hybrid engine's, and `init_inference`'s over the world's mesh)."""
+        if size < 1 or self.dp_world_size % size:
+            raise ValueError(f"{size} must divide the data-parallel size {self.dp_world_size}")
+        group = self._requested_group(("runs", size), lambda: _runs(self._data_lists(), size))
+        return group, self.dp_rank % size
 
     def expert_groups(self, ep_size: int, data_before_expert: bool = False) -> ExpertGroups:
         """The expert and expert-data groups for `ep_size` (collective the first time for each
         size: every rank makes every group, in order). `data_before_expert`: DeepSpeed's
         `use_data_before_expert_parallelism` layout (see the module docstring)."""
-        key = (ep_size, data_before_expert)
-        if key in self._experts:
-            return self._experts[key]
         if ep_size < 1 or self.dp_world_size % ep_size:
             raise ValueError(
                 f"ep_size {ep_size} must divide the data-parallel size {self.dp_world_size}"
             )
-        data_lists = self._data_lists()
         replicas = self.dp_world_size // ep_size
+        # Each data-parallel group is cut into runs of consecutive ranks, and the ranks at one
+        # place in every run: expert groups are the runs (ep_size long) by default, the places
+        # (runs replicas long) under data_before_expert.
         if data_before_expert:
-            expert_lists = _strides(data_lists, replicas)
-            replica_lists = _runs(data_lists, replicas)
+            expert_lists, replica_lists, run_length = _strides, _runs, replicas
             ep_rank, replica_rank = divmod(self.dp_rank, replicas)
         else:
-            expert_lists, replica_lists = _runs(data_lists, ep_size), _strides(data_lists, ep_size)
+            expert_lists, replica_lists, run_length = _runs, _strides, ep_size
             replica_rank, ep_rank = divmod(self.dp_rank, ep_size)
-        ep_group, expert_data_group = subgroup(expert_lists), subgroup(replica_lists)
-        groups = ExpertGroups(ep_size, ep_rank, ep_group, replica_rank, replicas, expert_data_group)
-        self._experts[key] = groups
-        return groups
+        key = ("experts", ep_size, data_before_expert)
+        ep_group = self._requested_group(
+            (*key, "expert"), lambda: expert_lists(self._data_lists(), run_length)
+        )
+        expert_data_group = self._requested_group(
+            (*key, "expert-data"), lambda: replica_lists(self._data_lists(), run_length)
+        )
+        return ExpertGroups(ep_size, ep_rank, ep_group, replica_rank, replicas, expert_data_group)
+
+    def tie_group(self, stages: Sequence[int]) -> tuple[Any, int]:
+        """(group, source) for a weight tied across pipeline `stages`: one group per data-parallel
+        replica and tensor rank, holding its ranks at those stages (None for a rank at none of
+        them), and the global rank at the first stage in this rank's pipeline, which broadcasts
+        the initial values and alone counts the tie in the gradient norm. Collective the first
+        time for each set of stages."""
+        if self.mesh is None or "pipe" not in self.mesh.axes:
+            raise ValueError("tied pipeline weights need a mesh with a 'pipe' axis")
+        stages = tuple(stages)
+        pipelines = self.mesh.get_axis_comm_lists("pipe")
+        group = self._requested_group(
+            ("tie", stages), lambda: [[ranks[s] for s in stages] for ranks in pipelines]
+        )
+        return group, self.stage_rank(stages[0])
+
+    def self_group(self) -> Any:
+        """A group holding this rank alone (collective the first time: every rank makes one)."""
+        return self._requested_group(("self",), lambda: [[r] for r in range(self.world_size)])
 
     def stage_rank(self, stage: int) -> int:
         """The global rank of `stage` in this rank's pipeline (same data and tensor index)."""
@@ -327,6 +357,27 @@ class Topology:
 
     def get_pipe_parallel_group(self) -> Any:
         return self.pipe_group
+
+    # Sequence parallelism is not built yet: one rank per sequence. ZeRO shards over the data
+    # and sequence ranks together, which is then the data-parallel group.
+
+    def get_sequence_parallel_rank(self) -> int:
+        return 0
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return 1
+
+    def get_sequence_parallel_group(self) -> Any:
+        return self.self_group()
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.dp_world_size
+
+    def get_sequence_data_parallel_group(self) -> Any:
+        return self.dp_group
 
 
 class PipelineParallelGrid:
@@ -378,7 +429,7 @@ class PipelineParallelGrid:
             self._slice_proc_group = self.topo.tp_group
         else:  # a group of one each: None would mean the world to a collective
             self.slice_group = [self.global_rank]
-            self._slice_proc_group = subgroup([[r] for r in range(self.world_size)])
+            self._slice_proc_group = self.topo.self_group()
 
     def _ranks_with(self, rank_lists: list[list[int]]) -> list[int]:
         return next(ranks for ranks in rank_lists if self.global_rank in ranks)
@@ -449,12 +500,12 @@ class PipelineParallelGrid:
     get_tensor_model_parallel_world_size = get_slice_parallel_world_size
 
 
-def _from_mpu(mpu: Any, rank: int, world: int) -> Topology:
+def _from_mpu(mpu: Any) -> Topology:
     """A user's Megatron `mpu`: its data-parallel group, and its model-parallel one if it has it."""
     tp_size = mpu.get_model_parallel_world_size() if hasattr(mpu, "get_model_parallel_group") else 1
     return Topology(
-        rank,
-        world,
+        dist.get_rank() if dist.is_initialized() else 0,
+        dist.get_world_size() if dist.is_initialized() else 1,
         mpu.get_data_parallel_rank(),
         mpu.get_data_parallel_world_size(),
         mpu.get_data_parallel_group(),
@@ -463,6 +514,38 @@ def _from_mpu(mpu: Any, rank: int, world: int) -> Topology:
         tp_group=mpu.get_model_parallel_group() if tp_size > 1 else None,
         mp_group=mpu.get_model_parallel_group() if tp_size > 1 else None,
     )
+
+
+# The world's meshes by tensor-parallel size, each with the default group it was built in: a new
+# process group (after destroy and init) builds afresh, and holding the old one keeps its identity
+# from being reused meanwhile.
+_world_meshes: dict[int, tuple[Any, Topology]] = {}
+
+
+def _world_mesh(tensor_parallel: int) -> Topology:
+    """The world as data x `tensor_parallel` (tensor-parallel ranks neighbours), validated and
+    built once per process group; data parallelism alone uses the default group itself."""
+    if not dist.is_initialized():
+        if tensor_parallel > 1:
+            raise ValueError(
+                "tensor parallelism needs the process group: call shardspeed.init_distributed()"
+            )
+        return Topology(0, 1, 0, 1, None)
+    built = _world_meshes.get(tensor_parallel)
+    if built is not None and built[0] is dist.group.WORLD:
+        return built[1]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if tensor_parallel < 1 or world % tensor_parallel:
+        raise ValueError(
+            f"tensor_parallel.autotp_size {tensor_parallel} must divide the world size {world}"
+        )
+    if tensor_parallel == 1:
+        mesh = Topology(rank, world, rank, world, None)
+    else:
+        layout = PipeModelDataParallelTopology(1, tensor_parallel, world // tensor_parallel)
+        mesh = Topology.from_mesh(layout)
+    _world_meshes[tensor_parallel] = (dist.group.WORLD, mesh)
+    return mesh
 
 
 def _runs(lists: list[list[int]], size: int) -> list[list[int]]:

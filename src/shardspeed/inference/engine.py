@@ -3,7 +3,8 @@
 `InferenceEngine(model, config)` does, in order:
 
 1. the tensor-parallel group: `tensor_parallel.tp_group`, the `mpu`'s model-parallel group, or
-   consecutive ranks in groups of `tp_size` (the world size must be a multiple);
+   runs of `tp_size` consecutive ranks, which the world's mesh hands out (the world size must be
+   a multiple);
 2. splits the model over it with automatic tensor parallelism (built-in rules, or the rules
    `injection_policy` names);
 3. loads `checkpoint` (a shardspeed tag or save directory, or Hugging Face safetensors), each
@@ -39,7 +40,7 @@ from ..checkpoint.engine_state import LATEST, open_checkpoint, resolve_tag
 from ..checkpoint.format import MANIFEST, CheckpointError, Split, TensorSource
 from ..checkpoint.hf import INDEX, SINGLE, hf_source
 from ..comm import broadcast, init_distributed
-from ..comm.topology import subgroup
+from ..comm.topology import Topology
 from ..config.errors import ConfigError
 from ..tensor_parallel.autotp import auto_tensor_parallel
 from .config import InferenceConfig, load_inference_config
@@ -325,9 +326,6 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> li
 # -- setup ---------------------------------------------------------------------------------------
 
 
-_GROUPS: dict[tuple[int, int], Any] = {}
-
-
 def _tensor_parallel_group(config: InferenceConfig) -> tuple[Any, int, int]:
     """(group, size, this rank's index in it); (None, 1, 0) without tensor parallelism."""
     tp = config.tensor_parallel
@@ -343,12 +341,7 @@ def _tensor_parallel_group(config: InferenceConfig) -> tuple[Any, int, int]:
                 f"'tensor_parallel.tp_size' {tp.tp_size} must divide the world size {world} "
                 "(ranks form consecutive groups of tp_size)"
             )
-        # Groups are made once per world and size: making one is a collective of every rank.
-        key = (id(dist.group.WORLD), tp.tp_size)
-        if key not in _GROUPS:
-            lists = [range(s, s + tp.tp_size) for s in range(0, world, tp.tp_size)]
-            _GROUPS[key] = subgroup(lists)
-        group = _GROUPS[key]
+        group, _ = Topology.world().data_parallel_runs(tp.tp_size)
     else:
         return None, 1, 0
     size = dist.get_world_size(group)

@@ -19,6 +19,11 @@ Under inference tensor parallelism every rank of a group calls `generate` with i
 group gathers all of them, generates them together (every rank of the group computing its slice of
 each layer) and each rank gets back its own requests' tokens. Sampling draws from generators seeded
 alike on the group's ranks, so they agree on every token.
+
+`HybridGeneration` is the part `initialize` gives the training engine when `hybrid_engine.enabled`:
+the engine answers `generate` (and the names in its `surface`) from it and tells it when the
+weights change (an applied step, a loaded checkpoint). `HybridEngine` and DeepSpeed's
+`DeepSpeedHybridEngine` are class names for such an engine (`isinstance` views).
 """
 
 from __future__ import annotations
@@ -33,22 +38,42 @@ from torch import nn
 
 from ..checkpoint.format import Split
 from ..checkpoint.values import all_gather_json
+from ..common.observer import EngineComponent
+from ..common.views import InstanceView
 from ..config.errors import ConfigError
-from ..runtime.engine import ShardSpeedEngine
 from ..tensor_parallel.from_config import apply_autotp
 from ..zero import GatheredParameters
 from .generation import ContinuousBatcher
 from .sampling import SamplingParams, sampling_params_from_hf
 
 
-class HybridEngine(ShardSpeedEngine):
-    """A training engine that also generates (`hybrid_engine.enabled`); see the module docstring."""
+class HybridEngine(metaclass=InstanceView):
+    """A training engine that also generates (`hybrid_engine.enabled`): one that holds a
+    `HybridGeneration`. DeepSpeed calls it `DeepSpeedHybridEngine`."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        section = self.run_config.hybrid_engine
-        topo = self.topology
-        if topo.tp_world_size > 1 or self.moe_layers:
+    built_by = "initialize() builds when the config enables 'hybrid_engine'"
+
+    @staticmethod
+    def describes(instance: object) -> bool:
+        parts = getattr(instance, "components", ())
+        return any(isinstance(part, HybridGeneration) for part in parts)
+
+
+DeepSpeedHybridEngine = HybridEngine
+
+
+class HybridGeneration(EngineComponent):
+    """The engine's generation part (see the module docstring)."""
+
+    surface = ("generate", "inference_module", "inference_tp_size", "generation_stats")
+
+    def __init__(self, engine: Any) -> None:
+        """`engine`: the training engine (`runtime`) this part generates for; not imported
+        here, so that the runtime room may hold it without a cycle."""
+        self.engine = engine
+        section = engine.run_config.hybrid_engine
+        topo = engine.topology
+        if topo.tp_world_size > 1 or engine.moe_layers:
             raise ConfigError(
                 "'hybrid_engine' works with data parallelism and ZeRO 0 to 3 (no training tensor "
                 "parallelism, no MoE layers yet); use 'hybrid_engine.inference_tp_size' to split "
@@ -71,14 +96,15 @@ class HybridEngine(ShardSpeedEngine):
     # -- the inference copy ------------------------------------------------------------------------
 
     def _needs_copy(self) -> bool:
-        stage3 = self.optimizer is not None and self.optimizer.sharded_params is not None
+        zopt = self.engine.optimizer
+        stage3 = zopt is not None and zopt.sharded_params is not None
         return stage3 or self.inference_tp_size > 1
 
     def inference_module(self) -> nn.Module:
         """The model generation runs on: the inference copy (built or rebuilt if the weights
         changed since), or the module itself when it is whole on every rank already."""
         if not self._needs_copy():
-            return self.module
+            return self.engine.module
         if self._copy is None or self._copy_version != self._weights_version:
             self._drop_copy()  # the stale one goes before the new one is made
             start = time.perf_counter()
@@ -89,7 +115,8 @@ class HybridEngine(ShardSpeedEngine):
         return self._copy
 
     def _build_copy(self) -> nn.Module:
-        zopt = self.optimizer
+        engine = self.engine
+        zopt = engine.optimizer
         managed = dict(zip(zopt.params, zopt.layout.shapes)) if zopt is not None else {}
         # Managed parameters may be shards (ZeRO-3): give the copy empty tensors of their whole
         # shape, filled below; the others are whole already and copied as they are.
@@ -100,19 +127,19 @@ class HybridEngine(ShardSpeedEngine):
                 else p.detach().clone(),
                 requires_grad=False,
             )
-            for p in self.module.parameters()
+            for p in engine.module.parameters()
         }
-        inference = copy.deepcopy(self.module, memo)
+        inference = copy.deepcopy(engine.module, memo)
         sharded = zopt.sharded_params if zopt is not None else None
         if sharded is not None:
             sharded.strip_hooks(inference)
         if self.inference_tp_size > 1:
-            apply_autotp(inference, self._tp_group, self.run_config.tensor_parallel)
+            apply_autotp(inference, self._tp_group, engine.run_config.tensor_parallel)
         targets = dict(inference.named_parameters())
-        names = {p: n for n, p in self.module.named_parameters()}
+        names = {p: n for n, p in engine.module.named_parameters()}
         if sharded is not None:
             units = [u.params for u in sharded.units]
-            per = self.run_config.hybrid_engine.tp_gather_partition_size
+            per = engine.run_config.hybrid_engine.tp_gather_partition_size
             chunks = [[p for u in units[i : i + per] for p in u] for i in range(0, len(units), per)]
         else:
             chunks = [list(managed)]
@@ -183,28 +210,30 @@ class HybridEngine(ShardSpeedEngine):
         per_prompt = [params] * len(rows) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(rows):
             raise ValueError(f"{len(per_prompt)} SamplingParams for {len(rows)} prompts")
-        limit = self.run_config.hybrid_engine.max_out_tokens
+        section = self.engine.run_config.hybrid_engine
+        limit = section.max_out_tokens
         for row, p in zip(rows, per_prompt):
             if len(row) + p.max_new_tokens > limit:
                 raise ValueError(
                     f"a prompt of {len(row)} tokens plus max_new_tokens {p.max_new_tokens} exceeds "
                     f"'hybrid_engine.max_out_tokens' {limit}"
                 )
-        model = self.inference_module()
-        start = time.perf_counter()
-        mine = slice(0, len(rows))
-        if self.inference_tp_size > 1:
-            rows, per_prompt, mine = self._gather_requests(rows, per_prompt)
-        batcher = self._batcher_for(model, rows, per_prompt)
-        ids = [batcher.add_request(r, p) for r, p in zip(rows, per_prompt)]
-        results = batcher.run()
-        out = [results[i] for i in ids][mine]
-        if self.run_config.hybrid_engine.release_inference_cache:
-            self._batcher = None
-        if not self.run_config.hybrid_engine.pin_parameters:
-            self._drop_copy()
-        self.generation_stats["generate_s"] += time.perf_counter() - start
-        return out
+        try:
+            model = self.inference_module()
+            start = time.perf_counter()
+            mine = slice(0, len(rows))
+            if self.inference_tp_size > 1:
+                rows, per_prompt, mine = self._gather_requests(rows, per_prompt)
+            batcher = self._batcher_for(model, rows, per_prompt)
+            ids = [batcher.add_request(r, p) for r, p in zip(rows, per_prompt)]
+            results = batcher.run()
+            self.generation_stats["generate_s"] += time.perf_counter() - start
+            return [results[i] for i in ids][mine]
+        finally:  # training never runs next to an unpinned copy
+            if section.release_inference_cache:
+                self._batcher = None
+            if not section.pin_parameters:
+                self._drop_copy()
 
     def _batcher_for(
         self, model: nn.Module, rows: list[list[int]], params: list[SamplingParams]
@@ -246,23 +275,14 @@ class HybridEngine(ShardSpeedEngine):
                 all_params.append(SamplingParams(**p))
         return all_rows, all_params, slice(start, start + len(rows))
 
-    # -- training --------------------------------------------------------------------------------
+    # -- the weights change ----------------------------------------------------------------------
 
-    def train(self, mode: bool = True) -> HybridEngine:
-        super().train(mode)
-        if mode and not self.run_config.hybrid_engine.pin_parameters:
-            self._drop_copy()
-        return self
-
-    def _apply_step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
-        super()._apply_step(lr_kwargs)
-        if self._step_applied:
+    def after_step(self, engine: Any) -> None:
+        if engine.was_step_applied():
             self._weights_version += 1  # the copy is stale from here
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> tuple[str | None, dict | None]:
-        result = super().load_checkpoint(*args, **kwargs)
+    def after_load(self, engine: Any) -> None:
         self._weights_version += 1
-        return result
 
 
 def _params_json(params: SamplingParams) -> dict[str, Any]:

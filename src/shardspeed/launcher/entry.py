@@ -13,6 +13,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
+from shardspeed.alias import install as install_deepspeed_alias
 from shardspeed.launcher.cores import bind_this_process
 
 _FLAGS = ("--no_local_rank", "--compat", "--module", "--no_python", "--bind_cores_to_rank")
@@ -92,10 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--no_python" in flags:
         os.execvp(target, [target, *args])
     if "--compat" in flags:
-        # Imported here because shardspeed.compat imports this module for run_target.
-        from shardspeed.compat import install
-
-        install()
+        install_deepspeed_alias()
     try:
         run_target(target, args, module="--module" in flags)
     except SystemExit as stop:

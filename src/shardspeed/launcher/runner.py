@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
+from shardspeed.common.net import free_port, port_is_free
 from shardspeed.launcher.cores import parse_range_list
 from shardspeed.launcher.hostfile import parse_hostfile, read_hostfile, select_resources
 from shardspeed.launcher.hostfile import parse_resource_filter as parse_resource_filter
-from shardspeed.utils.net import free_port, port_is_free
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
@@ -442,13 +442,21 @@ def run_launches(launches: Sequence[Launch], grace_s: float = 10.0) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``shardspeed`` command; returns the exit status of the run."""
+    """``python -m shardspeed.launcher.runner``: a launch without autotuning (the ``shardspeed``
+    command, :mod:`shardspeed.cli`, runs ``--autotuning`` too); returns the exit status."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.autotuning:
-        # Deferred: the tuner imports torch, which plain launches avoid.
-        from shardspeed.autotuning.tuner import run_autotuning
+        print(
+            "shardspeed.launcher.runner: error: --autotuning is run by the shardspeed command "
+            "(shardspeed --autotuning tune|run ..., or python -m shardspeed.cli)",
+            file=sys.stderr,
+        )
+        return 2
+    return launch(args)
 
-        return run_autotuning(args)
+
+def launch(args: argparse.Namespace) -> int:
+    """Start the processes `args` describe and wait for them; returns the exit status."""
     try:
         launches = plan_launches(args, os.environ, os.getcwd())
     except ValueError as error:

@@ -173,6 +173,7 @@ def training_events(
     elapsed_ms: Mapping[str, float] | None = None,
     memory: Mapping[str, int] | None = None,
     expert_load: Mapping[Any, Mapping[str, Any]] | None = None,
+    comm: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[Event]:
     """One optimizer step's events, x-axis `samples` (DeepSpeed's `global_samples`).
 
@@ -181,8 +182,10 @@ def training_events(
     (DeepSpeed's are forward, backward, backward_inner, backward_allreduce, step). shardspeed's:
     `global_step` (so a samples axis maps back to steps), `grad_norm`, `samples_per_sec`,
     `memory/<kind>_bytes` and per MoE layer `moe/<layer>/imbalance`, `moe/<layer>/dropped`,
-    `moe/<layer>/expert_<i>_tokens`. `loss`, `grad_norm` and `expert_load`'s values may be
-    tensors; an `expert_load` entry may be any subset of `MoE.expert_load()`'s keys.
+    `moe/<layer>/expert_<i>_tokens`, and per collective of the comms logger's step summary
+    (`comm`) `comm/<op>/bytes`, `comm/<op>/latency_ms`, `comm/<op>/busbw_gbps`. `loss`,
+    `grad_norm` and `expert_load`'s values may be tensors; an `expert_load` entry may be any
+    subset of `MoE.expert_load()`'s keys.
     """
     out: list[tuple[str, Any]] = [("global_step", step)]
     for name, value in (
@@ -198,6 +201,12 @@ def training_events(
     out.extend((f"memory/{kind}_bytes", n) for kind, n in (memory or {}).items())
     for layer, load in (expert_load or {}).items():
         out.extend(_moe_events(f"moe/{layer}/", load))
+    for op, stats in (comm or {}).items():
+        out.extend(
+            (f"comm/{op}/{field}", stats[field])
+            for field in ("bytes", "latency_ms", "busbw_gbps")
+            if field in stats
+        )
     # float() reads a 0-dim tensor too (a device tensor syncs here, once per logged step).
     return [(PREFIX + name, float(value), samples) for name, value in out]
 

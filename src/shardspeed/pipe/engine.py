@@ -1,6 +1,9 @@
-"""The engine for a `PipelineModule`: runs a schedule's instruction list on this rank.
+"""The engine's part for a `PipelineModule`: runs a schedule's instruction list on this rank.
 
-`train_batch` pulls `gradient_accumulation_steps` micro-batches and executes the instructions
+`initialize` gives the engine of a `PipelineModule` a `PipelineSchedule`, and the engine answers
+DeepSpeed's pipeline calls (`train_batch`, `eval_batch`, `is_first_stage`, ...) from it, refusing
+its own forward/backward/step; `PipelineEngine` is DeepSpeed's class name for such an engine
+(an `isinstance` view). `train_batch` pulls `gradient_accumulation_steps` micro-batches and executes the instructions
 `schedule.train_schedule` gives this rank: loads, forward and backward passes of its chunks, and
 batches of point-to-point transfers (consecutive transfer instructions go out together). Gradients
 accumulate in the optimizer's flat buffers; each chunk's last backward of the step averages them
@@ -23,9 +26,9 @@ from typing import Any
 import torch
 
 from ..comm import all_gather, all_reduce, broadcast
+from ..common.observer import EngineComponent
+from ..common.views import InstanceView
 from ..config.errors import ConfigError
-from ..runtime.engine import ShardSpeedEngine
-from ..zero import TiedParameters
 from .module import PipelineModule
 from .p2p import StageLink, Transfer, metas_of
 from .schedule import (
@@ -66,16 +69,48 @@ class _Pass:
     busy: float = 0.0  # seconds in forward and backward passes
 
 
-class PipelineEngine(ShardSpeedEngine):
-    """DeepSpeed's `PipelineEngine`: `train_batch`, `eval_batch`, stage queries."""
+class PipelineEngine(metaclass=InstanceView):
+    """DeepSpeed's `PipelineEngine`: an engine that holds a `PipelineSchedule`."""
 
-    def __init__(self, model: PipelineModule, config: Any, topology: Any, **kwargs: Any) -> None:
-        _check_config(model, config)
-        super().__init__(model, config, topology, **kwargs)
+    built_by = "initialize() builds for a PipelineModule"
+
+    @staticmethod
+    def describes(instance: object) -> bool:
+        parts = getattr(instance, "components", ())
+        return any(isinstance(part, PipelineSchedule) for part in parts)
+
+
+class PipelineSchedule(EngineComponent):
+    """The engine's pipeline part: `train_batch`, `eval_batch`, stage queries, the bubble."""
+
+    surface = (
+        "train_batch",
+        "eval_batch",
+        "is_first_stage",
+        "is_last_stage",
+        "set_dataiterator",
+        "set_dataloader",
+        "bubble_report",
+        "num_stages",
+        "stage_id",
+        "chunks",
+        "bubble",
+        "peak_live_micro_batches",
+        "agg_train_loss",
+        "data_iterator",
+    )
+
+    def __init__(self, engine: Any) -> None:
+        """`engine`: the training engine (`runtime`) this schedule drives; not imported here, so
+        that the runtime room may hold pipeline parts without a cycle."""
+        model, topology = engine.module, engine.topology
+        if not isinstance(model, PipelineModule):
+            raise TypeError("a PipelineSchedule needs the engine of a PipelineModule")
+        self.engine = engine
         self.num_stages, self.stage_id = topology.num_stages, topology.stage
         self.chunks = model.virtual_stages
-        self.schedule = config.pipeline.schedule
-        self.link = StageLink(self.device, model.dynamic_shape)
+        self.schedule = engine.run_config.pipeline.schedule
+        self.link = StageLink(engine.device, model.dynamic_shape)
         self.data_iterator: Iterator | None = None
         self.agg_train_loss: torch.Tensor | None = None
         # (measured idle fraction over this stage's own window, theory) of the last step, and
@@ -87,11 +122,13 @@ class PipelineEngine(ShardSpeedEngine):
         self.peak_live_micro_batches = 0
         self._lists: dict[tuple[str, int], list[Instruction]] = {}
 
-    def _sharding_layout(self) -> dict[str, Any]:
-        return {**super()._sharding_layout(), "segments": self.module.chunk_parameters()}
-
-    def _stage_ties(self) -> list[TiedParameters]:
-        return self.module.tied_parameters()
+    def refusal(self, call: str) -> Exception | None:
+        if call == "save_16bit_model":
+            return PipelineError(
+                "save_16bit_model() is not available for pipelines yet: save_checkpoint(), then "
+                "`shardspeed-ckpt consolidate` writes the whole model as safetensors"
+            )
+        return PipelineError("Only train_batch() is accessible in pipeline mode (and eval_batch())")
 
     # -- DeepSpeed's surface ----------------------------------------------------------------------
 
@@ -108,30 +145,20 @@ class PipelineEngine(ShardSpeedEngine):
     def set_dataloader(self, loader: Iterable) -> None:
         self.data_iterator = _repeat(loader)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise PipelineError("Only train_batch() is accessible in pipeline mode (and eval_batch())")
-
-    def backward(self, *args: Any, **kwargs: Any) -> Any:
-        raise PipelineError("Only train_batch() is accessible in pipeline mode (and eval_batch())")
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        raise PipelineError("Only train_batch() is accessible in pipeline mode (and eval_batch())")
-
-    def save_16bit_model(self, *args: Any, **kwargs: Any) -> bool:
-        raise PipelineError(
-            "save_16bit_model() is not available for pipelines yet: save_checkpoint(), then "
-            "`shardspeed-ckpt consolidate` writes the whole model as safetensors"
-        )
-
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step over `gradient_accumulation_steps` micro-batches; the mean loss."""
         if not torch.is_grad_enabled():
             raise PipelineError("train_batch() needs autograd: do not call it under no_grad()")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
-        self._require_optimizer("train_batch()")
-        self.module.train()
-        m = self.gradient_accumulation_steps()
+        engine = self.engine
+        if engine.optimizer is None:
+            raise PipelineError(
+                "train_batch() needs an optimizer: pass one to initialize() or add an "
+                "'optimizer' section"
+            )
+        engine.module.train()
+        m = engine.gradient_accumulation_steps()
         run = _Pass(self._data())
         start = time.perf_counter()
         instructions = self._instructions("train", m)
@@ -141,17 +168,17 @@ class PipelineEngine(ShardSpeedEngine):
         self.peak_live_micro_batches = 0
         for batch in _batches(instructions):
             if isinstance(batch[0], OptimizerStep):
-                self._apply_step()
-                self.micro_steps += m
+                engine._apply_step()
+                engine.micro_steps += m
             elif isinstance(batch[0], ReduceGrads):
-                with self._timed("reduce"):
-                    self.optimizer.finish_reduction()
+                with engine.clock.phase("reduce"):
+                    engine.optimizer.finish_reduction()
                 elapsed = time.perf_counter() - start
                 self._times = (run.busy, elapsed)
                 self.bubble = (1.0 - run.busy / elapsed, bubble_fraction(*self._shape(m)))
             else:
                 # The schedule's timeline: one span per instruction (or batched transfer).
-                with self.tracer.span(_trace_name(batch), "pipeline"):
+                with engine.clock.tracer.span(_trace_name(batch), "pipeline"):
                     self._execute(batch, run, m, last_backward)
         self.agg_train_loss = self._mean_over_replicas(run.results, m)
         self._report_bubble()
@@ -175,14 +202,15 @@ class PipelineEngine(ShardSpeedEngine):
         """
         if reduce_output not in ("avg", None):
             raise ValueError(f"reduce_output must be 'avg' or None, got {reduce_output!r}")
-        m = num_micro_batches or self.gradient_accumulation_steps()
-        self.module.eval()
+        m = num_micro_batches or self.engine.gradient_accumulation_steps()
+        module = self.engine.module
+        module.eval()
         run = _Pass(data_iter)
         logits: list[Any] = []
         with torch.no_grad():
             for batch in _batches(self._instructions("eval", m)):
                 self._execute(batch, run, m, {}, compute_loss=compute_loss, logits=logits)
-        self.module.train()
+        module.train()
         if compute_loss and reduce_output == "avg" and bcast_loss:
             output = self._mean_over_replicas(run.results, m)
         elif compute_loss and reduce_output == "avg":
@@ -205,9 +233,9 @@ class PipelineEngine(ShardSpeedEngine):
         """
         busy, elapsed = self._times
         theory = self.bubble[1] if self.bubble is not None else float("nan")
-        topo = self.topology
+        topo = self.engine.topology
         mine = torch.tensor([self.stage_id, topo.dp_rank, topo.tp_rank, busy, elapsed, theory])
-        everyone = [torch.zeros(6) for _ in range(self.world_size)]
+        everyone = [torch.zeros(6) for _ in range(topo.world_size)]
         all_gather(everyone, mine)
         first = [e.tolist() for e in everyone if e[1] == 0 and e[2] == 0]
         window = max(e[4] for e in first)
@@ -233,8 +261,9 @@ class PipelineEngine(ShardSpeedEngine):
         return self.num_stages, m, self.chunks
 
     def _data(self) -> Iterator | None:
-        if self.data_iterator is None and self.training_dataloader is not None:
-            self.data_iterator = _repeat(self.training_dataloader)
+        loader = self.engine.training_dataloader
+        if self.data_iterator is None and loader is not None:
+            self.data_iterator = _repeat(loader)
         return self.data_iterator
 
     def _virtual(self, chunk: int) -> int:
@@ -271,7 +300,8 @@ class PipelineEngine(ShardSpeedEngine):
     def _clock(self) -> float:
         """Host time; on CUDA after the device caught up, with `wall_clock_breakdown` only (a
         sync per pass would cost the overlap the pipeline exists for)."""
-        if self.device.type == "cuda" and self.run_config.wall_clock_breakdown:
+        engine = self.engine
+        if engine.device.type == "cuda" and engine.run_config.wall_clock_breakdown:
             torch.cuda.synchronize()
         return time.perf_counter()
 
@@ -287,7 +317,7 @@ class PipelineEngine(ShardSpeedEngine):
                 "a pipeline's data iterator must yield (inputs, labels) pairs, got "
                 f"{type(item).__name__}"
             )
-        inputs, labels = (_to_device(x, self.device) for x in item)
+        inputs, labels = (_to_device(x, self.engine.device) for x in item)
         if self.stage_id == 0:
             run.inputs[(micro_batch, 0)] = inputs
         if self._stage_holds_last():
@@ -301,7 +331,7 @@ class PipelineEngine(ShardSpeedEngine):
     ) -> None:
         key = (instr.micro_batch, instr.chunk)
         inputs = run.inputs[key]
-        output = self.module(inputs, chunk=instr.chunk)
+        output = self.engine.module(inputs, chunk=instr.chunk)
         if not self._is_last_virtual(instr.chunk):
             run.outputs[key] = output
             if torch.is_grad_enabled():
@@ -312,7 +342,7 @@ class PipelineEngine(ShardSpeedEngine):
         labels = run.labels.pop(instr.micro_batch)
         if logits is not None:
             logits.append(output)
-        loss_fn = self.module.loss_fn
+        loss_fn = self.engine.module.loss_fn
         result = loss_fn(output, labels) if (compute_loss and loss_fn is not None) else output
         if torch.is_grad_enabled():
             run.outputs[key] = result
@@ -326,7 +356,7 @@ class PipelineEngine(ShardSpeedEngine):
 
     def _backward(self, instr: BackwardPass, run: _Pass, m: int, reduces: bool) -> None:
         key = (instr.micro_batch, instr.chunk)
-        zopt = self.optimizer
+        zopt = self.engine.optimizer
         zopt.start_micro_step(reduces, segment=instr.chunk if self.chunks > 1 else None)
         output = run.outputs.pop(key)
         if self._is_last_virtual(instr.chunk):
@@ -354,7 +384,7 @@ class PipelineEngine(ShardSpeedEngine):
         p = self.num_stages
         for instr in batch:
             key = (instr.micro_batch, instr.chunk)
-            peer = self.topology.stage_rank(instr.peer)
+            peer = self.engine.topology.stage_rank(instr.peer)
             if isinstance(instr, SendActivation):
                 # Kept for backward when training; sent and done with when evaluating.
                 output = run.outputs[key] if torch.is_grad_enabled() else run.outputs.pop(key)
@@ -386,23 +416,25 @@ class PipelineEngine(ShardSpeedEngine):
     ) -> torch.Tensor | None:
         """The mean of the last stage's per-micro-batch losses over micro-batches and replicas;
         then sent to every stage."""
+        topo = self.engine.topology
         if self.is_last_stage():
             total = torch.stack([r.float().reshape(()) for r in results]).sum() / m
-            if self.dp_world_size > 1:
-                all_reduce(total, group=self.topology.dp_group)
-                total /= self.dp_world_size
+            if topo.dp_world_size > 1:
+                all_reduce(total, group=topo.dp_group)
+                total /= topo.dp_world_size
         else:
-            total = torch.zeros((), device=self.device)
+            total = torch.zeros((), device=self.engine.device)
         if self.num_stages > 1 and broadcast_result:
-            last = self.topology.stage_rank(self.num_stages - 1)
-            broadcast(total, src=last, group=self.topology.pipe_group)
+            last = topo.stage_rank(self.num_stages - 1)
+            broadcast(total, src=last, group=topo.pipe_group)
         elif not self.is_last_stage():
             return None
         return total
 
     def _report_bubble(self) -> None:
-        every = self.run_config.steps_per_print
-        if not every or self.global_steps % every or self.global_rank != 0 or not self.bubble:
+        engine = self.engine
+        every = engine.run_config.steps_per_print
+        if not every or engine.global_steps % every or engine.global_rank != 0 or not self.bubble:
             return
         measured, theory = self.bubble
         logger.info(
@@ -410,11 +442,10 @@ class PipelineEngine(ShardSpeedEngine):
         )
 
 
-def _check_config(model: Any, config: Any) -> None:
-    """The `pipeline` section against the module it configures; refuse what does not match.
-    (Which other features combine with a pipeline, `initialize` asks `config.rules`.)"""
-    if not isinstance(model, PipelineModule):
-        raise TypeError("PipelineEngine needs a PipelineModule")
+def check_config(model: PipelineModule, config: Any) -> None:
+    """The `pipeline` section against the module it configures, before the engine is built;
+    refuse what does not match. (Which other features combine with a pipeline, `initialize`
+    asks `config.rules`.)"""
     pipe = config.pipeline
     if pipe.stages != "auto" and pipe.stages != model.num_stages:
         raise ConfigError(

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..checkpointing import checkpoint
 from ..comm import Topology
-from ..comm.topology import PipeDataParallelTopology, ProcessTopology, subgroup
+from ..comm.topology import PipeDataParallelTopology, ProcessTopology
 from ..zero.optimizer import TiedParameters
 
 logger = logging.getLogger("shardspeed")
@@ -180,11 +180,11 @@ class PipelineModule(nn.Module):
         raise IndexError(f"layer {layer_index} is outside 0..{len(self.layer_specs) - 1}")
 
     def _index_ties(self) -> list[TiedParameters]:
-        """Groups over the ranks sharing each tied module (collective: every rank makes all)."""
+        """The tied weights this rank holds, each with the mesh's group over the stages sharing it
+        (collective: every rank asks for every tie's group, in key order)."""
         ties = []
         keys = sorted({s.key for s in self.layer_specs if isinstance(s, TiedLayerSpec)})
         self._tie_sources: list[int] = []
-        mesh = self.topo.mesh
         for key in keys:
             stages = sorted(
                 {
@@ -195,15 +195,12 @@ class PipelineModule(nn.Module):
             )
             if len(stages) < 2:
                 continue  # one stage holds every use: nothing to keep in step
-            # One group per replica and tensor-parallel rank: the tie's stages there.
-            lists = [[ranks[s] for s in stages] for ranks in mesh.get_axis_comm_lists("pipe")]
-            group = subgroup(lists)
+            group, first = self.topo.tie_group(stages)
             if key in self.tied_modules:
                 module = self.tied_modules[key]
                 for name in self.tied_weight_attrs[key]:
                     if not isinstance(_attr(module, name), nn.Parameter):
                         raise TypeError(f"tied_weight_attr {name!r} of {key!r} is no parameter")
-                first = next(r for r in lists if self.topo.rank in r)[0]
                 # Every parameter of the shared module, not only tied_weight_attr: the others
                 # would drift apart between the copies (as in DeepSpeed) under one name.
                 params = tuple(module.parameters())

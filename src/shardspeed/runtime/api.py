@@ -1,8 +1,14 @@
-"""`initialize`: config source -> process group -> topology -> validated config -> engine."""
+"""`initialize`: config source -> process group -> topology -> validated config -> engine.
+
+The one module above every room: it chooses the engine's parts (a pipeline schedule for a
+`PipelineModule`, hybrid generation when `hybrid_engine.enabled`), so that the engine itself
+(`runtime.engine`) never imports `pipe` or `inference`, and they never import the runtime.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,6 +20,7 @@ from ..compat import DEEPSPEED_VERSION
 from ..config import (
     ConfigError,
     RunFacts,
+    ShardSpeedConfig,
     load_config,
     non_default_settings,
     read_config_source,
@@ -21,8 +28,11 @@ from ..config import (
     tuning_report,
 )
 from ..moe.layer import MoE
-from ..pipe import PipelineEngine, PipelineModule
+from ..pipe import PipelineModule
+from ..pipe.engine import PipelineSchedule, check_config
 from .engine import ShardSpeedEngine
+
+logger = logging.getLogger("shardspeed")
 
 
 def initialize(
@@ -53,21 +63,8 @@ def initialize(
     pipelined = isinstance(model, PipelineModule)
     if pipelined and mpu is not None:
         raise ValueError("a PipelineModule brings its own topology: do not pass mpu as well")
-    topology: comm.Topology | None = None
-    autotp_size = 0
-
-    def data_parallel_size(config: Any) -> int:
-        nonlocal topology, autotp_size
-        autotp_size = _tensor_parallel_size(model, config)
-        # A PipelineModule brings its topology; asking for automatic tensor parallelism as well
-        # is refused with the other combinations below.
-        topology = model.topo if pipelined else comm.Topology.build(mpu, autotp_size)
-        return topology.dp_world_size
-
     config_dict = source if isinstance(source, dict) else read_config_source(source)
-    run_config = load_config(config_dict, data_parallel_size)
-    comm.use_collective_timeout(run_config.comms_timeout_s)
-    groups.use_topology(topology)
+    run_config, topology, autotp_size = _configure(model, mpu, config_dict)
     # The combination rules that need the model, before anything (tensor-parallel splitting
     # included) touches it.
     refuse_combinations(
@@ -84,7 +81,59 @@ def initialize(
         from ..tensor_parallel.from_config import apply_autotp
 
         apply_autotp(model, topology.tp_group, run_config.tensor_parallel)
-    logger = logging.getLogger("shardspeed")
+    _log_run(run_config, topology)
+    engine = ShardSpeedEngine(
+        model,
+        run_config,
+        topology,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        training_data=training_data,
+        collate_fn=collate_fn,
+        config_dict=config_dict,
+        components=_components(model, run_config),
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _configure(
+    model: nn.Module, mpu: Any, config_dict: dict[str, Any]
+) -> tuple[ShardSpeedConfig, comm.Topology, int]:
+    """The validated config, the topology it was resolved for, and the automatic
+    tensor-parallel size asked for."""
+    pipelined = isinstance(model, PipelineModule)
+    topology: comm.Topology | None = None
+    autotp_size = 0
+
+    def data_parallel_size(config: Any) -> int:
+        nonlocal topology, autotp_size
+        autotp_size = _tensor_parallel_size(model, config)
+        # A PipelineModule brings its topology; asking for automatic tensor parallelism as well
+        # is refused with the other combinations.
+        topology = model.topo if pipelined else comm.Topology.build(mpu, autotp_size)
+        return topology.dp_world_size
+
+    run_config = load_config(config_dict, data_parallel_size)
+    comm.use_collective_timeout(run_config.comms_timeout_s)
+    groups.use_topology(topology)
+    return run_config, topology, autotp_size
+
+
+def _components(model: nn.Module, run_config: ShardSpeedConfig) -> list[Callable[[Any], Any]]:
+    """The parts the engine is given for this model and config."""
+    parts: list[Callable[[Any], Any]] = []
+    if isinstance(model, PipelineModule):
+        check_config(model, run_config)
+        parts.append(PipelineSchedule)
+    if run_config.hybrid_engine.enabled:
+        from ..inference.hybrid import HybridGeneration  # loads generation only when asked for
+
+        parts.append(HybridGeneration)
+    return parts
+
+
+def _log_run(run_config: ShardSpeedConfig, topology: comm.Topology) -> None:
     logger.info(
         "shardspeed %s%s",
         shardspeed_version,
@@ -106,23 +155,6 @@ def initialize(
         logger.info("config: %s", line)
     for line in tuning_report(run_config):
         logger.info("config: %s", line)
-    engine_class = PipelineEngine if pipelined else ShardSpeedEngine
-    if run_config.hybrid_engine.enabled:
-        from ..inference.hybrid import HybridEngine  # loads generation only when asked for
-
-        engine_class = HybridEngine
-    engine = engine_class(
-        model,
-        run_config,
-        topology,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler,
-        training_data=training_data,
-        collate_fn=collate_fn,
-        config_dict=config_dict,
-    )
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+import operator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from .. import checkpointing
@@ -25,8 +22,10 @@ from ..accelerator import get_accelerator
 from ..autotuning.metric import AutotuningMeter
 from ..checkpoint import load_engine, save_engine
 from ..checkpoint import lock as checkpoint_lock
+from ..checkpoint.sixteen_bit import consolidated_state_dict, save_16bit_model
 from ..checkpoint.values import all_gather_json
-from ..comm import Topology, all_reduce, barrier, configure_comms_logger, get_local_rank
+from ..comm import Topology, all_reduce, configure_comms_logger, get_local_rank
+from ..common.observer import EngineComponent, StepObserver
 from ..config import (
     RunFacts,
     ShardSpeedConfig,
@@ -37,16 +36,23 @@ from ..config import (
 from ..config.errors import ConfigError
 from ..moe.gating import imbalance
 from ..moe.layer import MoE
-from ..monitor import MonitorMaster, NullRecorder, TraceRecorder, merge_gathered, training_events
+from ..monitor import MonitorMaster, NullRecorder, TraceRecorder, merge_gathered
+from ..monitor.step import (
+    CommSummary,
+    MonitorWriter,
+    PhaseClock,
+    StepReport,
+    UnusedCheckpointing,
+)
 from ..optim import build_optimizer, build_scheduler
 from ..optim.lion import Lion
 from ..optim.onebit import CompressedOptimizer
 from ..precision import build_loss_scaler
 from ..profiling.flops_profiler import FlopsProfiler
+from ..profiling.flops_profiler.observer import ProfiledStep
 from ..zero import (
     AioOptions,
     ExpertParameters,
-    GatheredParameters,
     GatherOptions,
     OffloadOptions,
     ReduceOptions,
@@ -54,7 +60,9 @@ from ..zero import (
     TiedParameters,
     ZeroOptimizer,
 )
+from ..zero.accounting import memory_breakdown
 from ..zero.init import materialize
+from ..zero.plan import replica_ties
 from .dataloader import DistributedDataLoader
 
 logger = logging.getLogger("shardspeed")
@@ -86,7 +94,10 @@ class ShardSpeedEngine(nn.Module):
         training_data: Any = None,
         collate_fn: Callable | None = None,
         config_dict: dict[str, Any] | None = None,
+        components: Sequence[Callable[[ShardSpeedEngine], EngineComponent]] = (),
     ) -> None:
+        """`components` build the parts a feature adds (a pipeline schedule, hybrid generation)
+        from the finished engine; they are called, and observe its steps, after the others."""
         super().__init__()
         # `config` is DeepSpeed's: the dict the run was configured with, as given (libraries read
         # it with .get()); `run_config` is the validated, resolved config the engine runs by.
@@ -105,39 +116,7 @@ class ShardSpeedEngine(nn.Module):
         self._in_no_sync = False
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._is_compiled = False
-        self._timers: dict[str, float] = {}
-        # Monitors write on rank 0; `enabled` is the same on every rank, so what it gates may
-        # include collectives. The tracer records nothing until `start_trace()`.
-        self.monitor = MonitorMaster(
-            config.tensorboard, config.csv_monitor, config.wandb, topology.rank
-        )
-        self.tracer: TraceRecorder | NullRecorder = NullRecorder()
-        self.comms_logger = configure_comms_logger(config.comms_logger)
         self.comm_summary: dict[str, Any] = {}  # the last step's collectives, when logging
-        # The flops profiler measures one step (`profile_step`) on rank 0, as DeepSpeed does.
-        profiling = config.flops_profiler
-        self.flops_profiler = (
-            FlopsProfiler(model, self, profiling.recompute_fwd_factor)
-            if profiling.enabled and topology.rank == 0
-            else None
-        )
-        # An autotuning trial (`shardspeed --autotuning`): measure, write the metric file, stop.
-        tuning = config.autotuning
-        self.autotuning_meter = (
-            AutotuningMeter(
-                tuning.metric_path,
-                tuning.start_profile_step,
-                tuning.end_profile_step,
-                config.train_batch_size,
-                topology.tp_world_size * topology.num_stages,
-                self.device,
-            )
-            if tuning.enabled and tuning.metric_path
-            else None
-        )
-        self._window_loss: torch.Tensor | None = None
-        self._last_step_clock: float | None = None
-        self._last_report_clock: float | None = None
 
         self.dtype = _DTYPES[config.precision]
         model.to(device=self.device)
@@ -146,11 +125,11 @@ class ShardSpeedEngine(nn.Module):
         self.moe_layers = self._connect_experts()
         self.expert_tensor_names = self._name_expert_tensors()
 
-        self.basic_optimizer = self._build_optimizer(optimizer, model_parameters)
+        self.basic_optimizer = _client_optimizer(optimizer, model_parameters, model, config)
         if self.basic_optimizer is not None:
             check_param_groups(self.basic_optimizer.param_groups)
         self.optimizer = self._wrap_optimizer(self.basic_optimizer)
-        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.lr_scheduler = _client_scheduler(lr_scheduler, config, self.basic_optimizer)
         if training_data is not None:
             check_training_data(training_data, self.train_batch_size())
         self.training_dataloader = (
@@ -158,25 +137,21 @@ class ShardSpeedEngine(nn.Module):
             if training_data is not None
             else None
         )
-        # The activation_checkpointing section acts here (DeepSpeed needs the script to call
-        # checkpointing.configure); a default section leaves a script's own configure() alone.
-        self._checkpoint_calls: int | None = None
-        if config.activation_checkpointing != type(config.activation_checkpointing)():
-            checkpointing.configure_from_config(config.activation_checkpointing, topology)
-            self._checkpoint_calls = checkpointing.calls()
-        self._prepare_micro_step()
+        # Phases are traced once `start_trace()` is called; timed with `wall_clock_breakdown`.
+        self.clock = PhaseClock(config.wall_clock_breakdown, self.device.type == "cuda")
+        # The flops profiler measures one step (`profile_step`) on rank 0, as DeepSpeed does.
+        self.flops_profiler = (
+            FlopsProfiler(model, self, config.flops_profiler.recompute_fwd_factor)
+            if config.flops_profiler.enabled and topology.rank == 0
+            else None
+        )
+        self.components = [build(self) for build in components]
+        self.observers: list[StepObserver] = [*_observers(self), *self.components]
+        self._surface = {name: part for part in self.components for name in part.surface}
         if config.compile.compiles:
             self.compile()
         if config.dump_state and topology.rank == 0:
-            logger.info("engine state: %s", self._state_summary())
-
-    def _state_summary(self) -> str:
-        """DeepSpeed's `dump_state`: the resolved config and how the engine is laid out."""
-        return (
-            f"config={self.run_config.model_dump(exclude_defaults=True)}, topology={self.topology}, "
-            f"optimizer={self.optimizer!r}, scheduler={type(self.lr_scheduler).__name__}, "
-            f"moe_layers={sorted(self.moe_layers)}, memory={self.memory_breakdown()}"
-        )
+            logger.info("engine state: %s", _state_summary(self))
 
     # -- construction -------------------------------------------------------------------------
 
@@ -240,26 +215,6 @@ class ShardSpeedEngine(nn.Module):
                 )
             )
         return out
-
-    def _build_optimizer(self, client: Any, model_parameters: Any) -> torch.optim.Optimizer | None:
-        params = model_parameters if model_parameters is not None else self.module.parameters()
-        if client is not None and self.run_config.optimizer is not None:
-            raise ConfigError(
-                "an optimizer was passed to initialize() and the config has an 'optimizer' "
-                "section: remove one (DeepSpeed silently prefers the client optimizer)"
-            )
-        if isinstance(client, torch.optim.Optimizer):
-            return client
-        if callable(client):
-            return client(params)
-        if client is not None:
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer or a callable, not {client!r}"
-            )
-        if self.run_config.optimizer is None:
-            return None
-        name, params_model = optimizer_params(self.run_config)
-        return build_optimizer(name, params_model, params)
 
     def _wrap_optimizer(self, basic: torch.optim.Optimizer | None) -> ZeroOptimizer | None:
         if basic is None:
@@ -341,58 +296,24 @@ class ShardSpeedEngine(nn.Module):
         sequence-parallel ones whose gradients are partial), and the group over which gradients
         together make the model's norm."""
         topo = self.topology
-        ties = []
-        for tie in self._stage_ties():
-            split = all(getattr(p, "tensor_model_parallel", False) for p in tie.params)
-            ties.append(replace(tie, counted=tie.counted and (split or topo.tp_rank == 0)))
-        if topo.tp_world_size > 1:
-            taken = {p for tie in ties for p in tie.params}
-            rest = [p for p in self.module.parameters() if p.requires_grad and p not in taken]
-            partial = [p for p in rest if getattr(p, "sequence_parallel", False)]
-            whole = [
-                p
-                for p in rest
-                if not getattr(p, "sequence_parallel", False)
-                and not getattr(p, "tensor_model_parallel", False)
-            ]
-            first = topo.tp_rank == 0
-            if partial:
-                ties.append(TiedParameters(tuple(partial), topo.tp_group, first))
-            if whole:
-                ties.append(TiedParameters(tuple(whole), topo.tp_group, first, summed=False))
+        ties = replica_ties(
+            self.module.parameters(),
+            self._stage_ties(),
+            topo.tp_group,
+            topo.tp_rank,
+            topo.tp_world_size,
+        )
         parallel = topo.tp_world_size > 1 or topo.num_stages > 1
         return {
             "ties": ties,
             "norm_group": topo.mp_group if parallel else None,
             "experts": self._expert_parameters(),
+            "segments": _pipeline_part(self.module, "chunk_parameters", ()),
         }
 
     def _stage_ties(self) -> list[TiedParameters]:
-        """Weights tied across pipeline stages (a pipelined engine has them)."""
-        return []
-
-    def _build_scheduler(self, client: Any) -> Any:
-        if client is not None and self.run_config.scheduler is not None:
-            raise ConfigError(
-                "an lr_scheduler was passed to initialize() and the config has a 'scheduler' "
-                "section: remove one"
-            )
-        if client is not None:
-            if callable(client) and not hasattr(client, "step"):
-                return client(self.basic_optimizer)
-            return client
-        if self.run_config.scheduler is None:
-            return None
-        if self.basic_optimizer is None:
-            # DeepSpeed builds no scheduler without an optimizer either; transformers leaves the
-            # section in the config it reuses for evaluation.
-            logger.warning(
-                "the config's 'scheduler' section is not used: there is no optimizer (no "
-                "'optimizer' section and none passed to initialize), so nothing is scheduled"
-            )
-            return None
-        name, params_model = scheduler_params(self.run_config)
-        return build_scheduler(name, params_model, self.basic_optimizer)
+        """Weights tied across pipeline stages (a PipelineModule has them)."""
+        return _pipeline_part(self.module, "tied_parameters", [])
 
     def deepspeed_io(
         self,
@@ -421,9 +342,13 @@ class ShardSpeedEngine(nn.Module):
     # -- attribute pass-through, as DeepSpeed's engine does ------------------------------------
 
     def __getattr__(self, name: str) -> Any:
+        """What a component adds (`train_batch`, `generate`, ...), else the module's attribute."""
         try:
             return super().__getattr__(name)
         except AttributeError:
+            part = self.__dict__.get("_surface", {}).get(name)
+            if part is not None:
+                return getattr(part, name)
             module = self._modules.get("module")
             if module is None:
                 raise
@@ -432,66 +357,57 @@ class ShardSpeedEngine(nn.Module):
     # -- the training step ----------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._prepare_micro_step()
-        profiler = self.flops_profiler
-        if (
-            profiler is not None
-            and not profiler.started
-            and self.global_steps == self.run_config.flops_profiler.profile_step
-        ):
-            profiler.start_profile()
+        _refuse_replaced(self, "forward")
         if self.run_config.fp16.enabled and self.run_config.fp16.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), torch.float16)
         if self.optimizer is not None and self.optimizer.sharded_params is not None:
             self.optimizer.sharded_params.begin_pass(torch.is_grad_enabled())
-        meter = self.autotuning_meter
-        with self._timed("forward"):
-            if meter is None:
-                return self.module(*args, **kwargs)
-            with meter.forward(self.global_steps, {id(p) for p in self.module.parameters()}):
+        with contextlib.ExitStack() as observed:
+            for observer in self.observers:
+                observed.enter_context(observer.forward(self))
+            with self.clock.phase("forward"):
                 return self.module(*args, **kwargs)
 
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
     ) -> torch.Tensor:
         """Backpropagate `loss` (divided by the accumulation steps); returns that divided loss."""
-        if self.optimizer is None:
-            raise RuntimeError(
-                "backward() needs an optimizer: pass one or add an 'optimizer' section"
-            )
+        _refuse_replaced(self, "backward")
+        require_optimizer(self, "backward()")
         if loss.numel() != 1:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
-        self._prepare_micro_step()
+        # The one place the optimizer learns whether this micro-step's gradients are averaged:
+        # just before autograd runs, after whatever changed the window (boundary, no_sync,
+        # batch size). 1-bit / 0-1 Adam past its warm-up averages its own momentum instead.
+        basic = self.basic_optimizer
+        local = isinstance(basic, CompressedOptimizer) and basic.communicates_gradients()
+        reduces = self.is_gradient_accumulation_boundary() and not self._in_no_sync and not local
+        self.optimizer.start_micro_step(reduces)
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         scale = self.optimizer.loss_scale
-        with self._timed("backward"):
+        with self.clock.phase("backward"):
             (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-            with self._timed("reduce"):
+            with self.clock.phase("reduce"):
                 self.optimizer.finish_reduction()  # a no-op on micro-steps that do not reduce
-        profiler = self.flops_profiler
-        if profiler is not None and profiler.started:
-            profiler.stop_profile()  # the profiled micro-step's forward and backward (idempotent)
-        if self.monitor.enabled:  # the window's mean loss, kept on the device until the step
-            part = loss.detach().float()
-            self._window_loss = part if self._window_loss is None else self._window_loss + part
+        for observer in self.observers:
+            observer.after_backward(self, loss)
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Count the micro-step; at the accumulation boundary apply the update and step the LR."""
+        _refuse_replaced(self, "step")
         if self._in_no_sync:
             raise RuntimeError("step() inside no_sync() is not allowed: leave the context first")
-        if self.optimizer is None:
-            raise RuntimeError("step() needs an optimizer: pass one or add an 'optimizer' section")
+        require_optimizer(self, "step()")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             self._apply_step(lr_kwargs)
         self.micro_steps += 1
-        self._prepare_micro_step()
 
     def _apply_step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
-        """The boundary's work: the optimizer step, the LR schedule, the counters, the report."""
-        with self._timed("step"):
+        """The boundary's work: the optimizer step, the LR schedule, the counters, the observers."""
+        with self.clock.phase("step"):
             self._step_applied = self.optimizer.step()
         if self._step_applied:
             if self.lr_scheduler is not None:
@@ -500,41 +416,8 @@ class ShardSpeedEngine(nn.Module):
             self.skipped_steps += 1
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
-        if self.comms_logger.enabled:
-            self.comm_summary = self.comms_logger.step_summary()
-        if self.flops_profiler is not None and self.flops_profiler.started:
-            section = self.run_config.flops_profiler
-            self.flops_profiler.print_model_profile(
-                profile_step=section.profile_step,
-                module_depth=section.module_depth,
-                top_modules=section.top_modules,
-                detailed=section.detailed,
-                output_file=section.output_file,
-            )
-            self.flops_profiler.end_profile()
-        self._report()
-        self._write_monitor()
-        if self.autotuning_meter is not None:
-            self.autotuning_meter.after_step(self.global_steps, self.module)
-        if self.global_steps == 1:
-            sizes = ", ".join(f"{k} {_size(v)}" for k, v in self.memory_breakdown().items())
-            logger.info("model state held per rank after the first step: %s", sizes)
-            if self._checkpoint_calls == checkpointing.calls():
-                logger.warning(
-                    "the config has an 'activation_checkpointing' section, but the model never "
-                    "called shardspeed.checkpointing.checkpoint (deepspeed.checkpointing."
-                    "checkpoint): nothing was checkpointed"
-                )
-
-    def _reduces_this_micro_step(self) -> bool:
-        # 1-bit / 0-1 Adam past its warm-up averages its own compressed momentum instead.
-        basic = self.basic_optimizer
-        local = isinstance(basic, CompressedOptimizer) and basic.communicates_gradients()
-        return self.is_gradient_accumulation_boundary() and not self._in_no_sync and not local
-
-    def _prepare_micro_step(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.start_micro_step(self._reduces_this_micro_step())
+        for observer in self.observers:
+            observer.after_step(self)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether this micro-step ends an accumulation window: every `gradient_accumulation_steps`
@@ -552,7 +435,6 @@ class ShardSpeedEngine(nn.Module):
         if not isinstance(is_boundary, bool):
             raise TypeError(f"is_boundary must be a bool, not {type(is_boundary).__name__}")
         self._boundary_override = is_boundary
-        self._prepare_micro_step()
 
     def zero_grad(self) -> None:
         if self.optimizer is not None:
@@ -569,201 +451,47 @@ class ShardSpeedEngine(nn.Module):
                 "the gradients, so they must be reduced every micro-step"
             )
         self._in_no_sync = True
-        self._prepare_micro_step()
         try:
             yield
         finally:
             self._in_no_sync = False
-            self._prepare_micro_step()
 
     # -- reporting ------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _timed(self, name: str) -> Iterator[None]:
-        category = _TRACE_CATEGORIES.get(name, "compute")
-        if not self.run_config.wall_clock_breakdown:
-            with self.tracer.span(name, category):
-                yield
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with self.tracer.span(name, category):
-            yield
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-        self._timers[name] = self._timers.get(name, 0.0) + time.perf_counter() - start
-
-    def _report(self) -> None:
-        every = self.run_config.steps_per_print
-        if not every or self.global_steps % every or self.global_rank != 0:
-            return
-        lr = ", ".join(f"{v:.4e}" for v in self.get_lr())
-        line = f"step={self.global_steps}, skipped={self.skipped_steps}, lr=[{lr}]"
-        throughput = self.run_config.timers.throughput
-        if throughput.enabled:  # DeepSpeed's throughput timer: samples per second since the last
-            if throughput.synchronized and self.device.type == "cuda":
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            if self._last_report_clock is not None:
-                rate = every * self.train_batch_size() / (now - self._last_report_clock)
-                line += f", samples/s={rate:.1f}"
-            self._last_report_clock = now
-        if self.fp16_enabled():
-            line += f", loss_scale={self.loss_scale:g}"
-        loads = [load["imbalance"] for load in self.expert_load().values() if load]
-        if loads:
-            line += f", moe_imbalance_max={max(loads):.2f}"
-        logger.info(line)
-        if self.run_config.memory_breakdown:
-            sizes = ", ".join(f"{k} {_size(v)}" for k, v in self.memory_breakdown().items())
-            logger.info("memory held: %s", sizes)
-        if self._timers:
-            times = " | ".join(f"{k}: {v * 1000 / every:.2f} ms" for k, v in self._timers.items())
-            logger.info("time per step (mean of %d): %s", every, times)
-            self._timers.clear()
-
-    def _write_monitor(self) -> None:
-        """After an optimizer step: the step's metrics to the configured monitors."""
-        if not self.monitor.enabled:
-            return
-        now = time.perf_counter()
-        rate = (
-            self.train_batch_size() / (now - self._last_step_clock)
-            if self._last_step_clock is not None
-            else None
-        )
-        self._last_step_clock = now
-        loads = {n: load for n, load in self.expert_load().items() if load}
-        comm = [
-            (f"Train/Samples/comm/{op}/{field}", float(stats[field]), self.global_samples)
-            for op, stats in self.comm_summary.items()
-            for field in ("bytes", "latency_ms", "busbw_gbps")
-            if field in stats
-        ]
-        self.monitor.write_events(
-            comm
-            + training_events(
-                self.global_steps,
-                self.global_samples,
-                loss=self._window_loss,
-                lr=self.get_lr()[0] if self.basic_optimizer is not None else None,
-                loss_scale=self.loss_scale if self.fp16_enabled() else None,
-                grad_norm=self.get_global_grad_norm(),
-                samples_per_sec=rate,
-                memory=self.memory_breakdown(),
-                expert_load=loads or None,
-            )
-        )
-        self._window_loss = None
 
     def start_trace(self) -> None:
         """Record this rank's forward, backward, reduction and optimizer spans (and a pipeline's
         instructions) from now on, for `save_trace`."""
-        self.tracer = TraceRecorder(self.global_rank)
+        self.clock.tracer = TraceRecorder(self.global_rank)
 
     def save_trace(self, path: str) -> str | None:
         """Stop recording and write every rank's spans as one Chrome trace (Perfetto,
         chrome://tracing): a track group per rank. Collective; rank 0 writes `path` and gets it
         back, the others None."""
-        gathered = all_gather_json(self.tracer.events())
-        self.tracer = NullRecorder()
+        gathered = all_gather_json(self.clock.tracer.events())
+        self.clock.tracer = NullRecorder()
         if self.global_rank != 0:
             return None
         return merge_gathered(gathered, path)
 
-    # -- DeepSpeed's accessors --------------------------------------------------------------------
-
-    @property
-    def global_rank(self) -> int:
-        return self.topology.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.topology.world_size
-
-    @property
-    def dp_world_size(self) -> int:
-        return self.topology.dp_world_size
-
-    @property
-    def mp_world_size(self) -> int:
-        return self.topology.tp_world_size
-
-    @property
-    def local_rank(self) -> int:
-        return get_local_rank()
-
-    @property
-    def loss_scale(self) -> float:
-        return self.optimizer.loss_scale if self.optimizer is not None else 1.0
+    # -- DeepSpeed's accessors (the one-line readers are generated from `_ACCESSORS`) -----------
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch by changing the accumulation steps (the micro batch stays)."""
-        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        micro = self.train_micro_batch_size_per_gpu()
+        per_step = micro * self.dp_world_size
         if train_batch_size <= 0 or train_batch_size % per_step:
             raise ValueError(
                 f"train_batch_size {train_batch_size} must be a positive multiple of micro batch x "
                 f"data-parallel size = {per_step}"
             )
-        self._set_batch(train_batch_size, self.train_micro_batch_size_per_gpu())
+        _resize_batch(self, train_batch_size, micro)
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         """Change the micro batch (the accumulation steps stay, so the global batch follows)."""
         if micro_batch_size <= 0:
             raise ValueError(f"micro batch size must be positive, got {micro_batch_size}")
         gas = self.gradient_accumulation_steps()
-        self._set_batch(micro_batch_size * gas * self.dp_world_size, micro_batch_size)
-
-    def _set_batch(self, train_batch_size: int, micro_batch_size: int) -> None:
-        if (self.micro_steps - self._first_micro_step) % self.gradient_accumulation_steps():
-            raise RuntimeError("change the batch size only at an accumulation boundary")
-        self.run_config = self.run_config.model_copy(
-            update={
-                "train_batch_size": train_batch_size,
-                "train_micro_batch_size_per_gpu": micro_batch_size,
-                "gradient_accumulation_steps": train_batch_size
-                // (micro_batch_size * self.dp_world_size),
-            }
-        )
-        self._first_micro_step = self.micro_steps  # boundaries count from here with the new GAS
-        self._prepare_micro_step()
-
-    def train_batch_size(self) -> int:
-        return self.run_config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.run_config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.run_config.gradient_accumulation_steps
-
-    def gradient_clipping(self) -> float:
-        return self.run_config.gradient_clipping
-
-    def zero_optimization_stage(self) -> int:
-        return self.run_config.zero_optimization.stage
-
-    def fp16_enabled(self) -> bool:
-        return self.run_config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.run_config.bf16.enabled
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.basic_optimizer.param_groups]
-
-    def get_mom(self) -> list[Any]:
-        """Each param group's momentum as DeepSpeed reports it: the `betas` pair for Adam-like
-        optimizers, `momentum` for SGD-like ones."""
-        return [
-            group["betas"] if "betas" in group else group.get("momentum")
-            for group in self.basic_optimizer.param_groups
-        ]
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """`zero_optimization.stage3_gather_16bit_weights_on_model_save` (DeepSpeed's accessor)."""
-        return self.run_config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+        _resize_batch(self, micro_batch_size * gas * self.dp_world_size, micro_batch_size)
 
     def _zero3_consolidated_16bit_state_dict(
         self, exclude_frozen_parameters: bool = False
@@ -771,7 +499,7 @@ class ShardSpeedEngine(nn.Module):
         """The whole model's state dict in its training dtype on rank 0 (None on the others), the
         stage-3 parameters gathered: DeepSpeed's name, which transformers and accelerate call
         (collective)."""
-        state = self.consolidated_state_dict(exclude_frozen_parameters)
+        state = consolidated_state_dict(self, exclude_frozen_parameters)
         return state if self.global_rank == 0 else None
 
     def _consolidated_16bit_state_dict(
@@ -818,43 +546,16 @@ class ShardSpeedEngine(nn.Module):
         self.module.compile(backend=backend or section.backend, **kwargs)
         self._is_compiled = True
 
-    @property
-    def is_compiled(self) -> bool:
-        return self._is_compiled
-
     def save_16bit_model(
         self,
         save_dir: str,
         save_filename: str = "model.safetensors",
         exclude_frozen_parameters: bool = False,
     ) -> bool:
-        """Write the whole model in its training dtype to one safetensors file (rank 0 writes).
-
-        Collective: every rank must call it. At stage 3 the parameters are gathered, which needs
-        `zero_optimization.stage3_gather_16bit_weights_on_model_save` (DeepSpeed silently skips the
-        save without it; here it is an error). The file is written under a temporary name and
-        renamed, so a crash never leaves a half-written model behind.
-        """
-        if not save_filename.endswith(".safetensors"):
-            raise ValueError(
-                f"save_filename {save_filename!r}: shardspeed writes safetensors only (no pickles); "
-                "use a name ending in .safetensors"
-            )
-        zero = self.run_config.zero_optimization
-        if zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
-            raise ConfigError(
-                "save_16bit_model() at ZeRO stage 3 gathers every parameter: set "
-                "'zero_optimization.stage3_gather_16bit_weights_on_model_save': true"
-            )
-        state = self.consolidated_state_dict(exclude_frozen_parameters)
-        if self.global_rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            path = os.path.join(save_dir, save_filename)
-            partial = f"{path}.partial"
-            save_file(state, partial, metadata={"format": "pt"})
-            os.replace(partial, path)
-        barrier()
-        return True
+        """Write the whole model in its training dtype to one safetensors file (rank 0 writes;
+        collective). See `checkpoint.sixteen_bit.save_16bit_model`."""
+        _refuse_replaced(self, "save_16bit_model")
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def save_checkpoint(
         self,
@@ -869,7 +570,7 @@ class ShardSpeedEngine(nn.Module):
         Collective. The tag defaults to `global_step<N>`; `latest` names it once the tag is
         complete. `client_state` may hold JSON values and tensors. See docs/checkpoint-format.md.
         """
-        self._require_optimizer("save_checkpoint()")
+        require_optimizer(self, "save_checkpoint()")
         return save_engine(
             self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
         )
@@ -893,8 +594,8 @@ class ShardSpeedEngine(nn.Module):
             raise ValueError(
                 "load_checkpoint(custom_load_fn=...) is not supported: checkpoints are read by shardspeed's format only"
             )
-        self._require_optimizer("load_checkpoint()")
-        return load_engine(
+        require_optimizer(self, "load_checkpoint()")
+        loaded = load_engine(
             self,
             load_dir,
             tag,
@@ -903,82 +604,22 @@ class ShardSpeedEngine(nn.Module):
             load_lr_scheduler_states,
             load_module_only,
         )
+        for observer in self.observers:
+            observer.after_load(self)
+        return loaded
 
     def destroy(self) -> None:
         """Release what the engine holds outside Python's objects: gradient hooks, swap files,
         monitor files, checkpoint directory locks."""
         if self.optimizer is not None:
             self.optimizer.close()
-        self.monitor.close()
+        for observer in self.observers:
+            observer.close()
         checkpoint_lock.release_all()
-
-    def _require_optimizer(self, what: str) -> None:
-        if self.optimizer is None:
-            raise RuntimeError(f"{what} needs an optimizer: pass one or add an 'optimizer' section")
 
     def consolidated_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """The module's state dict with every parameter whole (collective at stage 3)."""
-        params = list(self.module.parameters())
-        with GatheredParameters(params):  # stage 3: whole only inside, so copy inside
-            state = {
-                name: tensor.detach().clone().contiguous()
-                for name, tensor in self.module.state_dict(keep_vars=True).items()
-                if not (
-                    exclude_frozen_parameters
-                    and isinstance(tensor, nn.Parameter)
-                    and not tensor.requires_grad
-                )
-            }
-        for prefix, layer in self.moe_layers.items():
-            if layer.ep_size > 1:  # this rank holds some experts: gather them all
-                stem = f"{prefix}.deepspeed_moe.experts." if prefix else "deepspeed_moe.experts."
-                experts = layer.all_experts_state_dict(f"{prefix}." if prefix else "")
-                state = {n: t for n, t in state.items() if not n.startswith(stem)}
-                state.update(experts)
-        return state
-
-    def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds, by kind, each storage counted once (views share their storage).
-
-        `on_device`, `on_cpu` and `on_nvme` split the same bytes by where they live (swap files
-        counted at their size on disk). At stage 3 `gathered_peak` adds the most bytes of gathered
-        parameters alive at one time.
-        """
-        held = (
-            self.optimizer.held_tensors()
-            if self.optimizer is not None
-            else {"parameters": list(self.module.parameters())}
-        )
-        held["buffers"] = list(self.module.buffers())
-        seen: set[tuple] = set()
-        sizes = {}
-        where = {"device": 0, "cpu": 0, "nvme": 0}
-        accelerator = _device().type != "cpu"
-        for kind in ("parameters", "gradients", "master_weights", "optimizer_states", "buffers"):
-            total = 0
-            for tensor in held.get(kind, []):
-                storage = tensor.untyped_storage()
-                key = (storage.data_ptr(), tensor.device)
-                if storage.nbytes() and key not in seen:
-                    seen.add(key)
-                    total += storage.nbytes()
-                    where["cpu" if accelerator and tensor.device.type == "cpu" else "device"] += (
-                        storage.nbytes()
-                    )
-            sizes[kind] = total
-        swapped = getattr(self.optimizer, "swapped", None)
-        if swapped is not None:
-            where["nvme"] = swapped.bytes_on_disk()
-        sizes["total"] = sum(sizes.values())
-        # By location: "device" is the training device's memory (host memory when there is no
-        # accelerator), "cpu" host memory apart from it, "nvme" the offload swap files.
-        sizes.update({f"on_{k}": v for k, v in where.items()})
-        sharded = getattr(self.optimizer, "sharded_params", None)
-        if sharded is not None:
-            # Stage 3: the most bytes of whole (gathered) parameters alive at once so far, which
-            # comes on top of what is held between steps.
-            sizes["gathered_peak"] = sharded.peak_gathered_bytes
-        return sizes
+        return consolidated_state_dict(self, exclude_frozen_parameters)
 
     def expert_load(self, over_data_parallel: bool = False) -> dict[str, dict[str, Any]]:
         """Per MoE layer (by module name), its last forward's routing: tokens asked of each of
@@ -1001,11 +642,201 @@ class ShardSpeedEngine(nn.Module):
             report[name] = load
         return report
 
-    def get_global_grad_norm(self) -> float | None:
-        return self.optimizer.global_grad_norm if self.optimizer is not None else None
 
-    def was_step_applied(self) -> bool:
-        return self._step_applied
+def _client_optimizer(
+    client: Any, model_parameters: Any, module: nn.Module, config: ShardSpeedConfig
+) -> torch.optim.Optimizer | None:
+    """The torch optimizer: the client's object, built by the client's callable, or from the
+    config's `optimizer` section (None without either)."""
+    params = model_parameters if model_parameters is not None else module.parameters()
+    if client is not None and config.optimizer is not None:
+        raise ConfigError(
+            "an optimizer was passed to initialize() and the config has an 'optimizer' "
+            "section: remove one (DeepSpeed silently prefers the client optimizer)"
+        )
+    if isinstance(client, torch.optim.Optimizer):
+        return client
+    if callable(client):
+        return client(params)
+    if client is not None:
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable, not {client!r}")
+    if config.optimizer is None:
+        return None
+    name, params_model = optimizer_params(config)
+    return build_optimizer(name, params_model, params)
+
+
+def _client_scheduler(
+    client: Any, config: ShardSpeedConfig, basic_optimizer: torch.optim.Optimizer | None
+) -> Any:
+    """The LR schedule: the client's object, built by the client's callable, or from the
+    config's `scheduler` section (None without either, or without an optimizer)."""
+    if client is not None and config.scheduler is not None:
+        raise ConfigError(
+            "an lr_scheduler was passed to initialize() and the config has a 'scheduler' "
+            "section: remove one"
+        )
+    if client is not None:
+        if callable(client) and not hasattr(client, "step"):
+            return client(basic_optimizer)
+        return client
+    if config.scheduler is None:
+        return None
+    if basic_optimizer is None:
+        # DeepSpeed builds no scheduler without an optimizer either; transformers leaves the
+        # section in the config it reuses for evaluation.
+        logger.warning(
+            "the config's 'scheduler' section is not used: there is no optimizer (no "
+            "'optimizer' section and none passed to initialize), so nothing is scheduled"
+        )
+        return None
+    name, params_model = scheduler_params(config)
+    return build_scheduler(name, params_model, basic_optimizer)
+
+
+def _observers(engine: ShardSpeedEngine) -> list[StepObserver]:
+    """What the config asks to watch the steps, in the order they run after a step: the step's
+    collectives first (the monitors write them), the autotuning meter late (it may end the
+    process)."""
+    config, rank = engine.run_config, engine.topology.rank
+    observers: list[StepObserver] = []
+    comms_logger = configure_comms_logger(config.comms_logger)
+    if comms_logger.enabled:
+        observers.append(CommSummary(comms_logger))
+    if engine.flops_profiler is not None:
+        observers.append(ProfiledStep(engine.flops_profiler, config.flops_profiler))
+    observers.append(StepReport(config, engine.clock))
+    # Monitors write on rank 0; `enabled` is the same on every rank, so what it gates may
+    # include collectives.
+    monitor = MonitorMaster(config.tensorboard, config.csv_monitor, config.wandb, rank)
+    if monitor.enabled:
+        observers.append(MonitorWriter(monitor))
+    tuning = config.autotuning
+    if tuning.enabled and tuning.metric_path:  # a trial: measure, write the metric file, stop
+        mp_size = engine.topology.tp_world_size * engine.topology.num_stages
+        observers.append(
+            AutotuningMeter(
+                tuning.metric_path,
+                tuning.start_profile_step,
+                tuning.end_profile_step,
+                config.train_batch_size,
+                mp_size,
+                engine.device,
+            )
+        )
+    # The activation_checkpointing section acts here (DeepSpeed needs the script to call
+    # checkpointing.configure); a default section leaves a script's own configure() alone.
+    if config.activation_checkpointing != type(config.activation_checkpointing)():
+        checkpointing.configure_from_config(config.activation_checkpointing, engine.topology)
+        observers.append(UnusedCheckpointing(checkpointing.calls))
+    return observers
+
+
+def _state_summary(engine: ShardSpeedEngine) -> str:
+    """DeepSpeed's `dump_state`: the resolved config and how the engine is laid out."""
+    return (
+        f"config={engine.run_config.model_dump(exclude_defaults=True)}, "
+        f"topology={engine.topology}, optimizer={engine.optimizer!r}, "
+        f"scheduler={type(engine.lr_scheduler).__name__}, "
+        f"moe_layers={sorted(engine.moe_layers)}, memory={engine.memory_breakdown()}"
+    )
+
+
+_ALWAYS = object()  # an accessor that answers without an optimizer too
+
+# DeepSpeed's one-line accessors, generated below: name -> (what it reads from the engine, a
+# dotted path or a function; whether it is a property; its answer when there is no optimizer).
+_ACCESSORS: dict[str, tuple[str | Callable[[Any], Any], bool, Any]] = {
+    "global_rank": ("topology.rank", True, _ALWAYS),
+    "world_size": ("topology.world_size", True, _ALWAYS),
+    "dp_world_size": ("topology.dp_world_size", True, _ALWAYS),
+    "mp_world_size": ("topology.tp_world_size", True, _ALWAYS),
+    "local_rank": (lambda engine: get_local_rank(), True, _ALWAYS),
+    "is_compiled": ("_is_compiled", True, _ALWAYS),
+    "loss_scale": ("optimizer.loss_scale", True, 1.0),
+    "train_batch_size": ("run_config.train_batch_size", False, _ALWAYS),
+    "train_micro_batch_size_per_gpu": ("run_config.train_micro_batch_size_per_gpu", False, _ALWAYS),
+    "gradient_accumulation_steps": ("run_config.gradient_accumulation_steps", False, _ALWAYS),
+    "gradient_clipping": ("run_config.gradient_clipping", False, _ALWAYS),
+    "zero_optimization_stage": ("run_config.zero_optimization.stage", False, _ALWAYS),
+    "fp16_enabled": ("run_config.fp16.enabled", False, _ALWAYS),
+    "bfloat16_enabled": ("run_config.bf16.enabled", False, _ALWAYS),
+    "zero_gather_16bit_weights_on_model_save": (
+        "run_config.zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        False,
+        _ALWAYS,
+    ),
+    "get_global_grad_norm": ("optimizer.global_grad_norm", False, None),
+    "was_step_applied": ("_step_applied", False, _ALWAYS),
+    # Bytes this rank holds, by kind and by where they live (`zero.accounting`).
+    "memory_breakdown": (
+        lambda engine: memory_breakdown(engine.optimizer, engine.module, engine.device),
+        False,
+        _ALWAYS,
+    ),
+    "get_lr": (lambda engine: [g["lr"] for g in engine.basic_optimizer.param_groups], False, None),
+    # The `betas` pair for Adam-like optimizers, `momentum` for SGD-like ones, as DeepSpeed.
+    "get_mom": (
+        lambda engine: [
+            g["betas"] if "betas" in g else g.get("momentum")
+            for g in engine.basic_optimizer.param_groups
+        ],
+        False,
+        None,
+    ),
+}
+
+
+def _accessor(name: str, reads: str | Callable[[Any], Any], is_property: bool, default: Any) -> Any:
+    read = operator.attrgetter(reads) if isinstance(reads, str) else reads
+
+    def accessor(engine: ShardSpeedEngine) -> Any:
+        if default is not _ALWAYS and engine.optimizer is None:
+            return default
+        return read(engine)
+
+    accessor.__name__ = accessor.__qualname__ = name
+    accessor.__doc__ = f"DeepSpeed's `{name}`: `{reads}`." if isinstance(reads, str) else None
+    return property(accessor) if is_property else accessor
+
+
+for _name, _spec in _ACCESSORS.items():
+    setattr(ShardSpeedEngine, _name, _accessor(_name, *_spec))
+
+
+def _resize_batch(engine: ShardSpeedEngine, train_batch_size: int, micro_batch_size: int) -> None:
+    """Give the engine a new batch triple; boundaries count from here with the new steps."""
+    if (engine.micro_steps - engine._first_micro_step) % engine.gradient_accumulation_steps():
+        raise RuntimeError("change the batch size only at an accumulation boundary")
+    engine.run_config = engine.run_config.model_copy(
+        update={
+            "train_batch_size": train_batch_size,
+            "train_micro_batch_size_per_gpu": micro_batch_size,
+            "gradient_accumulation_steps": train_batch_size
+            // (micro_batch_size * engine.dp_world_size),
+        }
+    )
+    engine._first_micro_step = engine.micro_steps
+
+
+def _pipeline_part(module: nn.Module, name: str, default: Any) -> Any:
+    """What a `PipelineModule` says about its stage's parameters (its chunks, its tied
+    weights), asked by name: the runtime does not import the pipe room."""
+    ask = getattr(module, name, None)
+    return ask() if callable(ask) else default
+
+
+def require_optimizer(engine: ShardSpeedEngine, what: str) -> None:
+    if engine.optimizer is None:
+        raise RuntimeError(f"{what} needs an optimizer: pass one or add an 'optimizer' section")
+
+
+def _refuse_replaced(engine: ShardSpeedEngine, call: str) -> None:
+    """Raise where a component (a pipeline's schedule) replaces the engine's `call`."""
+    for component in engine.components:
+        error = component.refusal(call)
+        if error is not None:
+            raise error
 
 
 # DeepSpeed's name for the engine class (accelerate, TRL and user code test `isinstance` against it).
@@ -1123,10 +954,6 @@ def stage3_options(zero: Any) -> Stage3Options:
     )
 
 
-# Trace tracks of the timed phases; the rest are compute.
-_TRACE_CATEGORIES = {"reduce": "communication", "step": "optimizer"}
-
-
 def _device() -> torch.device:
     """The local GPU when the accelerator is CUDA and the process group can carry CUDA tensors
     (NCCL); a gloo group (a CPU job, or the CPU test harness on a GPU machine) trains on the CPU."""
@@ -1145,12 +972,3 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     if isinstance(tree, dict):
         return {key: _cast_floating(value, dtype) for key, value in tree.items()}
     return tree
-
-
-def _size(num_bytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the number at least 1."""
-    for unit in ("B", "KiB", "MiB"):
-        if num_bytes < 1024:
-            return f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1024
-    return f"{num_bytes:.1f} GiB"

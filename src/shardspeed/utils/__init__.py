@@ -1,5 +1,7 @@
-"""Small helpers shared by the rooms, and DeepSpeed's `deepspeed.utils` names that users and
-libraries call. Importing the package loads no torch: the names that need it load on first use."""
+"""DeepSpeed's `deepspeed.utils`: the names users and libraries call, over the rooms that own them
+(`shardspeed.common` for the small helpers, `comm.groups`, the `safe_*` accessors of
+`zero.tensor_fragment`, `zero_to_fp32` over `checkpoint`). It sits above those rooms; no room
+imports it. Importing the package loads no torch: the names that need it load on first use."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .z3_leaf_module import (
+from ..common.z3_leaf_module import (
     get_z3_leaf_modules,
     set_z3_leaf_modules,
     set_z3_leaf_modules_by_name,

@@ -4,21 +4,16 @@ from .estimate import model_state_bytes
 from .flat import FlatLayout
 from .init import Init, ZeroParamStatus
 from .offload import OffloadOptions
-from .optimizer import (
-    ExpertParameters,
-    GatherOptions,
-    NonFiniteGradientError,
-    ReduceOptions,
-    TiedParameters,
-    ZeroOptimizer,
-)
+from .optimizer import NonFiniteGradientError, ReduceOptions, ZeroOptimizer
 from .partitioned import (
     GatheredParameters,
     Stage3Options,
     register_external_parameter,
     unregister_external_parameter,
 )
+from .plan import ExpertParameters, ShardPlan, TiedParameters
 from .reducer import GradientReducer
+from .stores import GatherOptions
 from .swap import AioOptions
 
 __all__ = [
@@ -32,6 +27,7 @@ __all__ = [
     "NonFiniteGradientError",
     "OffloadOptions",
     "ReduceOptions",
+    "ShardPlan",
     "Stage3Options",
     "TiedParameters",
     "ZeroOptimizer",

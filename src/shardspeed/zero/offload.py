@@ -91,8 +91,12 @@ class SwappedStates:
 
     # -- the step -------------------------------------------------------------------------------
 
-    def step(self, grads: list[torch.Tensor]) -> None:
-        """Step the optimizer one master at a time, each between reading and writing its states."""
+    def step(self, grads: torch.Tensor, keep: bool) -> None:
+        """Step the optimizer one master at a time on its part of `grads` (aligned with the
+        masters), each between reading and writing its states. Gradients are attached only
+        around each master's own step, so `keep` changes nothing here."""
+        del keep
+        grads = grads.split(self.sizes)
         for m in self.masters:
             m.grad = None
         for k, master in enumerate(self.masters):
@@ -155,7 +159,7 @@ class SwappedStates:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def materialized(self, k: int) -> dict[str, Any]:
+    def state_of(self, k: int) -> dict[str, Any]:
         """Master `k`'s whole optimizer state, its swapped states read back (for a save)."""
         self._drain_writes(0)
         state = dict(self.optimizer.state.get(self.masters[k], {}))
@@ -165,8 +169,9 @@ class SwappedStates:
             state[name] = buffer
         return state
 
-    def adopt_loaded(self) -> None:
-        """After `optimizer.load_state_dict`: write every master's loaded states out to files."""
+    def load(self, state_dict: dict[str, Any]) -> None:
+        """`optimizer.load_state_dict`, then every master's loaded states written out to files."""
+        self.optimizer.load_state_dict(state_dict)
         for k in range(len(self.masters)):
             if self.values is not None:
                 self.masters[k].data = self.values.piece(k)

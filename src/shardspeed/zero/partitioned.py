@@ -31,8 +31,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..comm import all_gather_into_tensor, broadcast, get_rank
+from ..common.z3_leaf_module import z3_leaf_module
 from ..config.errors import ConfigError
-from ..utils.z3_leaf_module import z3_leaf_module
 from .flat import FlatLayout, logical_shape
 from .init import ZeroParamStatus, is_init_sharded
 from .init import gather as gather_init_sliced
