@@ -1,93 +1,46 @@
-"""Optimizer offload: training step time with optimizer states in memory, "on the CPU", or on NVMe.
+"""Optimizer offload: step time with optimizer states in memory, "on the CPU", or on NVMe; and the
+headline run, a model whose fp32 Adam states exceed 1.5x the machine's memory, trained from NVMe.
 
-One invocation measures, on the GPT-style model of the other benchmarks scaled up to about 100M
-parameters (fp32, AdamW, gradient clipping 1.0), ZeRO stage 2 at world size 2, four modes that
-differ only in ``zero_optimization.offload_optimizer``:
+    .venv/bin/python benchmarks/bench_offload.py [--quick] [--write]             # none/cpu/nvme
+    .venv/bin/python benchmarks/bench_offload.py --headline [--quick] [--write]  # 2.5B parameters
 
-  none            no offload
-  cpu             ``{"device": "cpu"}`` (without a GPU nothing moves: expected equal to none)
-  nvme            ``{"device": "nvme", ...}``, no pipelining: each piece's Adam moments are read
-                  before its step and written after it, waiting for both
-  nvme_pipelined  the same with ``pipeline_read`` and ``pipeline_write``: the next piece is read,
-                  and the last one written, while a piece steps
-
-Every mode gets the same ``sub_group_size``, chosen so each rank has about ``--pieces`` (8) master
-tensors (pieces), and the same ``aio`` section; the swap files go under ``--nvme-dir`` (``/tmp``,
-the local disk).
-
-Per mode, for the timed steps after the warm-up (per step the slowest rank):
-
-  - the training step time (forward + backward + ``engine.step()``), median, and its ratio to none;
-  - its parts: forward + backward, ``engine.step()``, the inner torch optimizer's ``step()`` calls
-    (Adam's arithmetic), and for the NVMe modes the time the step waited on swap transfers;
-  - peak RSS per rank (``ru_maxrss``, max over ranks) and ``engine.memory_breakdown()``
-    (``on_device``, ``on_nvme``);
-  - for the NVMe modes, the I/O: bytes moved, the time transfers were in flight (the union over
-    the step of each transfer's interval from submission to completion), and the share of that
-    time hidden behind compute: ``1 - waited / in flight``. The waits are the calls to
-    ``Future.result()`` on the swapper's futures, which is where ``SwappedStates`` blocks (read
-    before a piece steps, write-behind drained); both are measured by wrapping the swapper's
-    ``read`` / ``write`` in the worker (no change to shardspeed);
-  - whether every loss equals no offload's, bit for bit.
-
-The script is both the orchestrator and the worker: every run is
-``python -m torch.distributed.run ... bench_offload.py --worker MODE`` (gloo on CPU), started,
-checked for other load and rerun by ``common.measure``.
-
-    .venv/bin/python benchmarks/bench_offload.py            # measure, print the tables
-    .venv/bin/python benchmarks/bench_offload.py --write    # ... and update BENCHMARKS.md
-    .venv/bin/python benchmarks/bench_offload.py --small    # ~5M parameters, few steps: smoke
-
-The default run (one round per mode of 2 warm-up and 8 timed steps) should take about 4 minutes on
-an idle 2-core machine, more when other work forces reruns (none after --budget, 300 s); --small
-about 30 seconds.
-
-Options: ``--world 1`` runs stage 1 at world size 1 instead; ``--modes`` a subset; ``--pieces N``;
-``--buffer-count N``; ``--nvme-dir DIR``; ``--rounds`` / ``--warmup`` / ``--steps`` /
-``--micro-batch`` / ``--threads``; the load-noise options of the other benchmarks.
+Modes none, cpu, nvme, nvme_pipelined: ZeRO stage 2 at world size 2 on the 98.5M GPT, differing
+only in `offload_optimizer`; every mode gets the same `sub_group_size` (about `--pieces` master
+tensors per rank) and the NVMe modes the same `aio` section. The worker wraps the swapper's
+`read` / `write` to time every transfer and every wait (no change to shardspeed).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from concurrent.futures import Future
 from pathlib import Path
 
-import common
-from common import BENCH_MD, SEQ, VOCAB
+import harness as h
+import render
 
-HERE = Path(__file__).resolve()
-SECTION_TITLE = "## Optimizer offload (CPU and NVMe)"
-ENV_KEY = "SHARDSPEED_BENCH_OFFLOAD"  # the worker's settings beyond run_one's command line
-MIB = 2**20
-MB = 1e6
-
-MODES = ("none", "cpu", "nvme", "nvme_pipelined")
 NVME_MODES = ("nvme", "nvme_pipelined")
-
-# The model of common.build_model, scaled through its shape constants (98.5M parameters), and the
-# unchanged one (about 5M) for --small.
-FULL = {
-    "shape": {"D_MODEL": 768, "N_LAYERS": 13, "N_HEADS": 12},
-    "rounds": 1,
-    "warmup": 2,
-    "steps": 8,
-    "micro_batch": 2,
-}
-SMALL = {
-    "shape": {"D_MODEL": common.D_MODEL, "N_LAYERS": common.N_LAYERS, "N_HEADS": common.N_HEADS},
-    "rounds": 1,
-    "warmup": 2,
-    "steps": 4,
-    "micro_batch": 2,
-}
-# DeepSpeed's aio defaults, written out so the config in the notes is the whole story.
+SCENARIO = h.Scenario(
+    name="offload",
+    section="## Optimizer offload (CPU and NVMe)",
+    modes={"none": 2, "cpu": 2, "nvme": 2, "nvme_pipelined": 2, "headline": 2},
+    warmup=2,
+    steps=8,
+    rounds=1,
+    micro_batch=2,
+    default_modes=("none", "cpu", *NVME_MODES),
+    presets={"--headline": ("headline",)},
+    options={
+        "--pieces": dict(type=int, default=8, help="master tensors per rank (default 8)"),
+        "--buffer-count": dict(type=int, default=4, help="offload buffer_count (default 4)"),
+        "--nvme-dir": dict(default="/tmp", help="where the swap files go (default /tmp)"),
+        "--small": dict(action="store_true", help="the ~5M-parameter model (what --quick runs)"),
+    },
+    quick={"warmup": 2, "steps": 2, "rounds": 1, "small": True},
+)
+# DeepSpeed's aio defaults, written out so that the config in BENCHMARKS.md is the whole story.
 AIO = {
     "block_size": 1048576,
     "queue_depth": 8,
@@ -95,10 +48,14 @@ AIO = {
     "single_submit": False,
     "overlap_events": True,
 }
+# The headline model (about 2.46B parameters) and its steps; --quick: a tiny one.
+HEADLINE = dict(n_embd=2560, n_layer=31, n_head=20, block_size=64)
+HEADLINE_SMALL = dict(n_embd=64, n_layer=2, n_head=2, block_size=64)
+HEADLINE_STEPS = 3
 
 
 def piece_limit(sizes: list[int], pieces: int) -> int:
-    """The smallest ``sub_group_size`` for which runs of whole tensors of these sizes (cut greedily
+    """The smallest `sub_group_size` for which runs of whole tensors of these sizes (cut greedily
     in the given order, as the ZeRO layout does) number at most `pieces`."""
 
     def count(limit: int) -> int:
@@ -116,18 +73,18 @@ def piece_limit(sizes: list[int], pieces: int) -> int:
     return lo
 
 
-def config(mode: str, micro_batch: int, stage: int, spec: dict) -> dict:
-    cfg = common.ds_config(micro_batch, stage)
+def offload_config(mode: str, args, sizes: list[int], swap: str) -> dict:
+    cfg = h.config(args.micro_batch, 2)
     zero = cfg["zero_optimization"]
-    zero["sub_group_size"] = spec["sub_group_size"]
+    zero["sub_group_size"] = piece_limit(sizes, args.pieces)
     if mode == "cpu":
         zero["offload_optimizer"] = {"device": "cpu"}
     elif mode in NVME_MODES:
         pipelined = mode == "nvme_pipelined"
         zero["offload_optimizer"] = {
             "device": "nvme",
-            "nvme_path": spec["nvme_path"],
-            "buffer_count": spec["buffer_count"],
+            "nvme_path": swap,
+            "buffer_count": args.buffer_count,
             "pipeline_read": pipelined,
             "pipeline_write": pipelined,
         }
@@ -135,9 +92,19 @@ def config(mode: str, micro_batch: int, stage: int, spec: dict) -> dict:
     return cfg
 
 
-# --------------------------------------------------------------------------------------------
-# Worker side
-# --------------------------------------------------------------------------------------------
+def headline_config(swap: str) -> dict:
+    """Stage 3, one block whole at a time, no prefetch; masters and moments on NVMe."""
+    cfg = h.config(1, 3)
+    cfg["zero_optimization"] |= {
+        "reduce_bucket_size": 20_000_000,
+        "stage3_prefetch_bucket_size": 0,
+        "stage3_max_reuse_distance": 0,
+        "stage3_max_live_parameters": 110_000_000,
+        "sub_group_size": 100_000_000,
+        "offload_optimizer": {"device": "nvme", "nvme_path": swap},
+        "offload_param": {"device": "nvme", "nvme_path": swap},
+    }
+    return cfg
 
 
 class _Transfer:
@@ -148,10 +115,8 @@ class _Transfer:
 
 
 class _TimedFuture(Future):
-    """A swapper future that notes when it completed and how long ``result()`` blocked.
-
-    Futures the swapper returns are switched to this class (no new state but one attribute), so
-    ``SwappedStates`` waits through ``result()`` here, unchanged."""
+    """A swapper future that notes when it completed and how long `result()` blocked; futures
+    the swapper returns are switched to this class, so `SwappedStates` waits here, unchanged."""
 
     def set_result(self, result):
         rec = getattr(self, "_bench", None)
@@ -173,7 +138,7 @@ class _TimedFuture(Future):
 
 
 class StepProbe:
-    """Times the inner optimizer's ``step()`` calls and, with NVMe offload, every swap transfer."""
+    """Times the inner optimizer's `step()` calls and, with NVMe offload, every swap transfer."""
 
     def __init__(self, engine):
         self.adam_s = 0.0
@@ -192,10 +157,9 @@ class StepProbe:
         swapped = getattr(engine.optimizer, "swapped", None)
         self.direct = None
         if swapped is not None:
-            swapper = swapped.swapper
-            self.direct = swapper.direct
-            swapper.read = self._tracked(swapper.read)
-            swapper.write = self._tracked(swapper.write)
+            self.direct = swapped.swapper.direct
+            swapped.swapper.read = self._tracked(swapped.swapper.read)
+            swapped.swapper.write = self._tracked(swapped.swapper.write)
 
     def _tracked(self, submit):
         def call(key, tensor):
@@ -231,41 +195,34 @@ class StepProbe:
         }
 
 
-def set_shape(shape: dict) -> None:
-    for key, value in shape.items():
-        setattr(common, key, value)  # build_model reads them when called
+def worker(mode: str, args) -> dict:
+    rank, _world = h.setup(args.threads)
+    # One swap directory per run (MASTER_PORT is the same on both ranks), removed at the end.
+    swap = Path(args.nvme_dir) / f"bench_offload_swap_{os.environ['MASTER_PORT']}"
+    swap.mkdir(parents=True, exist_ok=True)
+    try:
+        result = (headline if mode == "headline" else offload_steps)(rank, args, mode, str(swap))
+    finally:
+        h.barrier()
+        if rank == 0:
+            shutil.rmtree(swap, ignore_errors=True)
+    return result | {"peak_rss_mib": h.peak_rss_mib()}
 
 
-def worker(args) -> None:
-    spec = json.loads(os.environ[ENV_KEY])
-    mode = args.worker
-    import torch
-    import torch.distributed as dist
-
-    rank, world = common.worker_setup(args.threads)
-    set_shape(spec["shape"])
+def offload_steps(rank: int, args, mode: str, swap: str) -> dict:
     import shardspeed
 
-    model = common.build_model()
-    n_params = sum(p.numel() for p in model.parameters())
-    cfg = config(mode, args.micro_batch, spec["stage"], spec)
-    engine, _opt, _, _ = shardspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=cfg
-    )
+    model = h.build_lm() if args.small else h.build_lm(**h.LM_100M)
+    sizes = [p.numel() for p in model.parameters()][::-1]  # the ZeRO layout's order
+    cfg = offload_config(mode, args, sizes, swap)
+    engine, *_ = shardspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     probe = StepProbe(engine)
-    batches = common.make_batches(rank, args.warmup + args.steps, args.micro_batch)
-
     losses, per_step = [], []
-    for x, y in batches[: args.warmup]:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    probe.take()
-    dist.barrier()
-    busy0, cpu0 = common.machine_busy_s(), time.process_time()
-    t_start = time.perf_counter()
-    for x, y in batches[args.warmup :]:
+    for i, (x, y) in enumerate(h.random_batches(rank, args.warmup + args.steps, args.micro_batch)):
+        if i == args.warmup:
+            probe.take()
+            h.barrier()
+            busy0, cpu0, t_start = h.machine_busy_s(), time.process_time(), time.perf_counter()
         t0 = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
@@ -273,339 +230,174 @@ def worker(args) -> None:
         engine.step()
         t2 = time.perf_counter()
         losses.append(loss.item())
-        per_step.append({"step_s": t2 - t0, "fwd_bwd_s": t1 - t0, "engine_step_s": t2 - t1})
-        per_step[-1].update(probe.take())
-    dist.barrier()
-    elapsed = time.perf_counter() - t_start
-    busy1, cpu1 = common.machine_busy_s(), time.process_time()
-
-    breakdown = engine.memory_breakdown()
-    masters = engine.optimizer.masters
+        if i >= args.warmup:
+            per_step.append({"step_s": t2 - t0, "fwd_bwd_s": t1 - t0, "engine_step_s": t2 - t1})
+            per_step[-1].update(probe.take())
+    h.barrier()
     result = {
-        "mode": mode,
-        "world_size": world,
-        "rank": rank,
-        "stage": spec["stage"],
-        "threads": torch.get_num_threads(),
-        "params": n_params,
-        "steps": args.steps,
-        "elapsed_s": elapsed,
-        "tokens_per_s": args.steps * args.micro_batch * SEQ * world / elapsed,
-        "step_ms": 1000 * elapsed / args.steps,
-        "machine_busy_s": busy1 - busy0,
-        "own_cpu_s": cpu1 - cpu0,
+        "elapsed_s": time.perf_counter() - t_start,
+        "machine_busy_s": h.machine_busy_s() - busy0,
+        "own_cpu_s": time.process_time() - cpu0,
         "losses": losses,
-        "first_loss": losses[0],
-        "last_loss": losses[-1],
         "per_step": per_step,
-        "memory": breakdown,
-        "pieces": len(masters),
-        "largest_piece": max(m.numel() for m in masters),
+        "memory": engine.memory_breakdown(),
+        "pieces": len(engine.optimizer.masters),
+        "largest_piece": max(m.numel() for m in engine.optimizer.masters),
+        "sub_group_size": cfg["zero_optimization"]["sub_group_size"],
         "o_direct": probe.direct,
-        "peak_rss_mib": common.peak_rss_mib(),
-        "torch": torch.__version__,
     }
     engine.destroy()  # removes the swap files
-    Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    return result
 
 
-# --------------------------------------------------------------------------------------------
-# Orchestrator side
-# --------------------------------------------------------------------------------------------
+def headline(rank: int, args, _mode: str, swap: str) -> dict:
+    """Built under zero.Init (never whole in one process); seconds of each step, barrier-timed."""
+    import shardspeed
 
-
-def model_sizes(shape: dict) -> list[int]:
-    """Parameter sizes in the order the ZeRO layout lays them out (reverse model order)."""
-    d, n = shape["D_MODEL"], shape["N_LAYERS"]
-    block = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
-    sizes = [VOCAB * d, SEQ * d, *block * n, d, d, VOCAB * d]
-    return sizes[::-1]
-
-
-def filesystem(path: Path) -> str:
-    proc = subprocess.run(
-        ["findmnt", "-n", "-o", "FSTYPE,SOURCE", "--target", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    parts = proc.stdout.split()
-    return f"{parts[0]} on {parts[1]}" if proc.returncode == 0 and len(parts) == 2 else "unknown"
-
-
-def per_step(runs: list[dict], key: str, over_ranks=max) -> list[float]:
-    """`key` of every timed step of every run, `over_ranks` of the ranks' values of each step."""
-    out = []
-    for r in runs:
-        for steps in zip(*[rk["per_step"] for rk in r["ranks"]]):
-            out.append(over_ranks(s[key] for s in steps))
-    return out
+    shape = HEADLINE_SMALL if args.small else HEADLINE
+    start = time.perf_counter()
+    with shardspeed.zero.Init():
+        model = h.build_lm(**shape)
+    engine, *_ = shardspeed.initialize(model=model, config=headline_config(swap))
+    built = time.perf_counter() - start
+    times, losses = [], []
+    for x, y in h.random_batches(rank, HEADLINE_STEPS, 1, seq=shape["block_size"]):
+        t0 = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        h.barrier()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    memory = engine.memory_breakdown()
+    engine.destroy()
+    params = sum(p.ds_numel for p in model.parameters())
+    return {"params": params, "build_s": built, "step_s": times, "losses": losses} | {
+        "on_nvme": memory["on_nvme"],
+        "in_memory": memory["total"],
+    }
 
 
 def summary(runs: list[dict]) -> dict:
-    median = common.median
-    steps = per_step(runs, "step_s")
-    rank_steps = [s for r in runs for rk in r["ranks"] for s in rk["per_step"]]
-    waited = sum(s["io_waited_s"] for s in rank_steps)
-    busy = sum(s["io_busy_s"] for s in rank_steps)
-    moved = sum(s["io_bytes"] for s in rank_steps)
+    """Per step the slowest rank's step time (median, min, max over all rounds); the parts and
+    the I/O: medians over steps and ranks; hidden share = 1 - waited / in flight, summed."""
+    med = h.median
+    steps = [
+        max(s)
+        for r in runs
+        for s in zip(*[[x["step_s"] for x in rk["per_step"]] for rk in r["ranks"]])
+    ]
+    each = [s for r in runs for rk in r["ranks"] for s in rk["per_step"]]
+    waited, busy = sum(s["io_waited_s"] for s in each), sum(s["io_busy_s"] for s in each)
     ranks = runs[0]["ranks"]
+
+    def ms(key: str) -> float:
+        return 1000 * med(s[key] for s in each)
+
     return {
-        "step_ms": 1000 * median(steps),
-        "step_ms_min": 1000 * min(steps),
-        "step_ms_max": 1000 * max(steps),
-        "round_ms": [1000 * median(per_step([r], "step_s")) for r in runs],
-        "fwd_bwd_ms": 1000 * median([s["fwd_bwd_s"] for s in rank_steps]),
-        "engine_step_ms": 1000 * median([s["engine_step_s"] for s in rank_steps]),
-        "adam_ms": 1000 * median([s["adam_s"] for s in rank_steps]),
-        "waited_ms": 1000 * median([s["io_waited_s"] for s in rank_steps]),
-        "rest_ms": 1000
-        * median([s["engine_step_s"] - s["adam_s"] - s["io_waited_s"] for s in rank_steps]),
-        "busy_ms": 1000 * median([s["io_busy_s"] for s in rank_steps]),
-        "sum_ms": 1000 * median([s["io_sum_s"] for s in rank_steps]),
+        "step_ms": 1000 * med(steps),
+        "range": f"{1000 * min(steps):.0f} - {1000 * max(steps):.0f}",
+        "fwd_bwd_ms": ms("fwd_bwd_s"),
+        "engine_step_ms": ms("engine_step_s"),
+        "adam_ms": ms("adam_s"),
+        "waited_ms": ms("io_waited_s"),
+        "rest_ms": 1000 * med(s["engine_step_s"] - s["adam_s"] - s["io_waited_s"] for s in each),
+        "busy_ms": ms("io_busy_s"),
+        "sum_ms": ms("io_sum_s"),
         "hidden": 1 - waited / busy if busy > 0 else None,
-        "mb_per_step": median([s["io_bytes"] for s in rank_steps]) / MB,
-        "mb_s": moved / busy / MB if busy > 0 else None,
-        "transfers": median([s["io_transfers"] for s in rank_steps]),
-        "rss": max(r["peak_rss_mib"] for r in runs),
-        "on_nvme": max(rk["memory"]["on_nvme"] for rk in ranks),
-        "on_device": max(rk["memory"]["on_device"] for rk in ranks),
-        "states": max(rk["memory"]["optimizer_states"] for rk in ranks),
-        "pieces": sorted({rk["pieces"] for rk in ranks}),
-        "largest": max(rk["largest_piece"] for rk in ranks),
+        "mb_per_step": med(s["io_bytes"] for s in each) / 1e6,
+        "mb_s": sum(s["io_bytes"] for s in each) / busy / 1e6 if busy > 0 else None,
+        "transfers": med(s["io_transfers"] for s in each),
+        "on_nvme": max(rk["memory"]["on_nvme"] for rk in ranks) / 2**30,
+        "on_device": max(rk["memory"]["on_device"] for rk in ranks) / 2**30,
+        "pieces": f"{ranks[0]['pieces']} ({max(rk['largest_piece'] for rk in ranks):,})",
         "o_direct": ranks[0]["o_direct"],
-        "load": [r["foreign_cores"] for r in runs],
-        "noisy": any(r.get("noisy") for r in runs),
     }
 
 
-def losses_text(runs: list[dict], base: list[dict] | None) -> str:
-    if not base:
-        return "-"
-    ref = [rk["losses"] for rk in base[0]["ranks"]]
-    same = all([rk["losses"] for rk in r["ranks"]] == ref for r in runs)
-    return "bit-equal" if same else "DIFFER"
-
-
-def tables(results: dict, errors: dict, world: int) -> tuple[str, str]:
-    sums = {mode: summary(v) for (mode, _w), v in results.items() if v}
+def offload_tables(results: dict) -> dict:
+    modes = [m for m in ("none", "cpu", *NVME_MODES) if render.runs(results, m)]
+    sums = {m: summary(render.runs(results, m)) for m in modes}
     base = sums.get("none")
-    base_runs = results.get(("none", world))
-
-    def gib(n: int) -> str:
-        return f"{n / 2**30:.2f}"
-
-    lines = [
-        "| mode | step ms (median) | min - max | ratio to none | peak RSS per rank (MiB) "
-        "| on_device GiB | on_nvme GiB | I/O hidden behind compute | losses vs none |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for (mode, _w), runs in results.items():
-        s = sums.get(mode)
-        if s is None:
-            err = errors.get((mode, world), {}).get("error", "not run")
-            lines.append(f"| {mode} | error: {err} |" + " - |" * 7)
-            continue
-        ratio = f"{s['step_ms'] / base['step_ms']:.3f}" if base else "n/a"
-        hidden = f"{100 * s['hidden']:.0f}%" if s["hidden"] is not None else "-"
-        lines.append(
-            f"| {mode}{' *' if s['noisy'] else ''} | {s['step_ms']:.0f} | "
-            f"{s['step_ms_min']:.0f} - {s['step_ms_max']:.0f} | {ratio} | {s['rss']:.0f} | "
-            f"{gib(s['on_device'])} | {gib(s['on_nvme'])} | {hidden} | "
-            f"{losses_text(runs, base_runs)} |"
+    ref = [rk["losses"] for rk in render.runs(results, "none")[0]["ranks"]] if base else None
+    main, detail = [], []
+    for m, s in sums.items():
+        rs = render.runs(results, m)
+        same = ref and all([rk["losses"] for rk in r["ranks"]] == ref for r in rs)
+        hidden = s["hidden"] and 100 * s["hidden"]
+        main.append(
+            [
+                m + " *" * any(r.get("noisy") for r in rs),
+                render.fmt(s["step_ms"]),
+                s["range"],
+                render.ratio(s["step_ms"], base and base["step_ms"]),
+                render.fmt(max(r["peak_rss_mib"] for r in rs)),
+                render.fmt(s["on_device"], ".2f"),
+                render.fmt(s["on_nvme"], ".2f"),
+                "-" if hidden is None else f"{hidden:.0f}%",
+                "-" if ref is None else "bit-equal" if same else "DIFFER",
+            ]
         )
-    main = "\n".join(lines)
-
-    lines = [
-        "| mode | pieces per rank (largest, elements) | fwd+bwd ms | `engine.step()` ms "
-        "| Adam `step()` ms | waited on I/O ms | rest of `engine.step()` ms | I/O in flight ms | sum of transfer times ms "
-        "| transfers | MB moved per step | MB/s while in flight | O_DIRECT | other load (cores) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
-    ]
-    for mode, s in sums.items():
-        io = mode in NVME_MODES
-        dash = "-"
-        lines.append(
-            f"| {mode} | {', '.join(map(str, s['pieces']))} ({s['largest']:,}) | "
-            f"{s['fwd_bwd_ms']:.0f} | {s['engine_step_ms']:.0f} | {s['adam_ms']:.0f} | "
-            f"{s['waited_ms']:.0f} | {s['rest_ms']:.0f} | "
-            + (
-                f"{s['busy_ms']:.0f} | {s['sum_ms']:.0f} | {s['transfers']:.0f} | "
-                f"{s['mb_per_step']:.0f} | {s['mb_s']:.0f} | {'yes' if s['o_direct'] else 'no'} | "
-                if io
-                else f"{dash} | {dash} | {dash} | {dash} | {dash} | {dash} | "
-            )
-            + ", ".join(f"{x:.2f}" for x in s["load"])
-            + " |"
+        io = [s["busy_ms"], s["sum_ms"], s["transfers"], s["mb_per_step"], s["mb_s"]]
+        io = [render.fmt(v) for v in io] + ["yes" if s["o_direct"] else "no"]
+        detail.append(
+            [m, s["pieces"]]
+            + [render.fmt(s[k]) for k in ("fwd_bwd_ms", "engine_step_ms", "adam_ms")]
+            + [render.fmt(s[k]) for k in ("waited_ms", "rest_ms")]
+            + (io if m in NVME_MODES else ["-"] * 6)
+            + [", ".join(render.fmt(r.get("other_load"), ".2f") for r in rs)]
         )
-    detail = "\n".join(lines)
-    return main, detail
-
-
-def orchestrate(args) -> int:
-    preset = SMALL if args.small else FULL
-    for key in ("rounds", "warmup", "steps", "micro_batch"):
-        if getattr(args, key) is None:
-            setattr(args, key, preset[key])
-    shape = preset["shape"]
-    sizes = model_sizes(shape)
-    n_params = sum(sizes)
-    world = args.world
-    stage = 2 if world > 1 else 1
-    plan = [(m, world) for m in args.modes]
-    cmd = common.command_line("bench_offload.py", keep_notes=True)
-    root = Path(tempfile.mkdtemp(prefix="bench_offload_swap_", dir=args.nvme_dir)).resolve()
-    fs = filesystem(root)
-    spec = {
-        "shape": shape,
-        "stage": stage,
-        "sub_group_size": piece_limit(sizes, args.pieces),
-        "nvme_path": str(root),
-        "buffer_count": args.buffer_count,
+    head = ["mode", "step ms (median)", "min - max", "ratio to none", "peak RSS per rank (MiB)"]
+    head += ["on_device GiB", "on_nvme GiB", "I/O hidden behind compute", "losses vs none"]
+    parts = ["mode", "pieces per rank (largest, elements)", "fwd+bwd ms", "`engine.step()` ms"]
+    parts += ["Adam `step()` ms", "waited on I/O ms", "rest of `engine.step()` ms"]
+    parts += ["I/O in flight ms", "sum of transfer times ms", "transfers", "MB moved per step"]
+    parts += ["MB/s while in flight", "O_DIRECT", "other load (cores)"]
+    return {
+        "modes": render.table(head, main, "lrlrrrrrl"),
+        "parts": render.table(parts, detail, "llrrrrrrrrrrll"),
+        "run": render.run_line(results),
     }
-    os.environ[ENV_KEY] = json.dumps(spec)
-    print(
-        f"model: {n_params / 1e6:.2f}M params (d_model {shape['D_MODEL']}, {shape['N_LAYERS']} "
-        f"layers, {shape['N_HEADS']} heads, vocab {VOCAB}, seq {SEQ}), fp32 AdamW; ZeRO stage "
-        f"{stage}, world size {world}, {args.threads} thread(s) per process, micro batch "
-        f"{args.micro_batch}; {args.rounds} round(s) of {args.warmup} warm-up + {args.steps} "
-        f"timed steps; sub_group_size {spec['sub_group_size']:,} (~{args.pieces} pieces per "
-        f"rank); swap files under {root} ({fs})",
-        flush=True,
-    )
-    print(common.shardspeed_commit(), flush=True)
-    try:
-        results, errors, total, tmp, discarded = common.measure(
-            HERE, plan, args, prefix="bench_offload_", width=14
-        )
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    main, detail = tables(results, errors, world)
-    print()
-    print(main)
-    print()
-    print(detail)
-    common.print_run_end(total, tmp, errors, with_world=False)
-    if args.write:
-        where = f"`{args.nvme_dir}` ({fs})"
-        write_section(args, cmd, n_params, spec, where, total, results, errors, discarded)
-        print(f"\nupdated {BENCH_MD}")
-    return 1 if errors else 0
 
 
-def write_section(args, cmd, n_params, spec, where, total, results, errors, discarded) -> None:
-    world = args.world
-    main, detail = tables(results, errors, world)
-    sums = {mode: summary(v) for (mode, _w), v in results.items() if v}
-    shape = spec["shape"]
-    example = config("nvme_pipelined", args.micro_batch, spec["stage"], spec)
-    example["zero_optimization"]["offload_optimizer"]["nvme_path"] = "DIR"
-    pieces = sorted({p for s in sums.values() for p in s["pieces"]})
-    direct = sorted({s["o_direct"] for m, s in sums.items() if m in NVME_MODES})
-    direct_text = {(True,): "with O_DIRECT", (False,): "buffered (O_DIRECT refused)"}.get(
-        tuple(direct), "O_DIRECT not determined"
-    )
-    notes = [
-        f"- Model: the GPT-style LM of the sections above (`common.D_MODEL` {shape['D_MODEL']}, "
-        f"`N_LAYERS` {shape['N_LAYERS']}, `N_HEADS` {shape['N_HEADS']}; vocab {VOCAB}, seq {SEQ}): "
-        f"{n_params:,} parameters, fp32, AdamW (torch's fused CPU kernel), ZeRO stage "
-        f"{spec['stage']} at world size {world}, micro batch {args.micro_batch} per rank, "
-        f"{args.threads} thread(s) per process, gloo. {common.shardspeed_commit()}.",
-        f"- Config of `nvme_pipelined` (the others differ only in `offload_optimizer`: absent, "
-        f'`{{"device": "cpu"}}`, or pipelining off; `aio` only in the NVMe modes): '
-        f"`{json.dumps(example)}`. `sub_group_size` {spec['sub_group_size']:,} in every mode, so "
-        f"the layout is the same: {', '.join(map(str, pieces))} pieces (master tensors) per rank.",
-        f"- Swap files under {where}, the machine's local disk (no NVMe device here: a virtual "
-        f"disk), {direct_text}; they are removed at the end of each run (`engine.destroy()`).",
-        f"- Per mode {args.rounds} round(s), each a fresh `torch.distributed.run --standalone` run: "
-        f"{args.warmup} warm-up steps (the first one creates the moments and writes them out), a "
-        f"barrier, {args.steps} timed steps. Step time = forward + backward + `engine.step()`, per "
-        "step the slowest rank, median over the timed steps of all rounds; the parts in the second "
-        "table are medians over steps and ranks.",
-        "- `cpu`: with no GPU the model, its gradients and the optimizer are in host memory "
-        "already, so CPU offload moves nothing and should equal `none`.",
-        "- NVMe modes: the optimizer steps one piece at a time (one `step()` call of the torch "
-        "optimizer per piece, the other pieces' gradients set to None), reading the piece's "
-        "`exp_avg` and `exp_avg_sq` before and writing them after, so their step also carries "
-        "per-piece Python overhead (state swaps, futures, an optimizer call per piece) that a "
-        "one-call step does not. The second table splits `engine.step()` into Adam's own time "
-        "(the torch optimizer's `step()` calls), the I/O waits and the rest (finishing the "
-        "gradient reduction, norm, clipping, copying into the model, and in the NVMe modes the "
-        "per-piece loop and the submission of transfers).",
-        "- I/O accounting (per rank, by wrapping the swapper's `read` / `write` in the worker): "
-        "'waited' is the time `SwappedStates` blocked in `Future.result()` on swap transfers; "
-        "'in flight' the union over the step of each transfer's interval from submission to "
-        "completion (queueing in the thread pool included), i.e. the time any transfer was under "
-        "way; 'sum of transfer times' adds the intervals up (concurrent ones count twice). "
-        "Hidden share = 1 - waited / in flight, over all timed steps and ranks. Without "
-        "pipelining a piece's two transfers are submitted together and then waited for, so its "
-        "share is near 0: only the second one's submission (and, for reads, the optimizer state "
-        "bookkeeping before the wait) overlaps the first, which shows with small pieces; with "
-        "pipelining the next piece's read overlaps this piece's "
-        "Adam step and writes drain in the background, bounded by how long those steps take. "
-        "MB/s is bytes moved / time in flight on one rank while the other rank does the same.",
-        "- Peak RSS is `ru_maxrss` of each rank over the whole run (start-up and model "
-        "construction included), the max over ranks; `on_device` / `on_nvme` are "
-        "`engine.memory_breakdown()` after the timed steps (max over ranks; `on_device` is host "
-        "memory here; `on_nvme` the swap files' size, padding included).",
-        "- Losses: every loss of every rank (warm-up and timed) compared with `none`'s.",
-        f"- Other load (CPU used by other processes during a run's timed steps): "
-        f"{len(discarded)} run(s) rerun for more than {args.max_other_load} cores; "
-        f"{sum(s['noisy'] for s in sums.values())} mode(s) with a noisy run kept (retries or the "
-        "time budget exhausted), marked * after the mode in the first table.",
-        *common.note_lines(args),
-        *common.error_notes(errors, markers=()),
+def headline_table(results: dict) -> dict:
+    rs = render.runs(results, "headline")
+    if not rs:
+        return {}
+    ranks, gib = rs[0]["ranks"], 2**30
+    memory = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    states = 16 * ranks[0]["params"]
+    step_s = [max(r["step_s"][i] for r in ranks) for i in range(len(ranks[0]["step_s"]))]
+    rss = [r["peak_rss_mib"] * 2**20 for r in ranks]
+    row = [
+        f"{ranks[0]['params']:,}",
+        f"{states / gib:.1f} GiB",
+        f"{memory / gib:.1f} GiB",
+        f"{states / memory:.2f}x",
+        ", ".join(f"{t:.0f}" for t in step_s),
+        ", ".join(f"{x / gib:.1f}" for x in rss) + " GiB",
+        f"{sum(rss) / gib:.1f} GiB",
+        f"{sum(r['in_memory'] for r in ranks) / gib:.1f} GiB",
+        f"{sum(r['on_nvme'] for r in ranks) / gib:.1f} GiB",
+        ", ".join(f"{x:.3f}" for x in ranks[0]["losses"]),
     ]
-    if "none" in sums:
-        ratios = ", ".join(
-            f"{m} {s['step_ms'] / sums['none']['step_ms']:.2f}x"
-            for m, s in sums.items()
-            if m != "none"
-        )
-        hidden = ", ".join(
-            f"{m} {100 * s['hidden']:.0f}%" for m, s in sums.items() if s["hidden"] is not None
-        )
-        summary_line = f"Step time relative to no offload: {ratios}. I/O hidden: {hidden or '-'}."
-    else:
-        summary_line = "No offload baseline was measured."
-    blocks = [
-        summary_line,
-        main,
-        ("Parts of a step and the I/O (medians per rank and step):", detail),
-    ]
-    section = common.section_text(SECTION_TITLE, cmd, total, blocks, notes)
-    common.write_markdown(section, SECTION_TITLE, BENCH_MD)
+    head = ["parameters", "fp32 Adam model states (16 B/param)", "machine memory"]
+    head += ["states / memory", "seconds per step (each step)", "peak RSS per rank"]
+    head += ["peak RSS, both ranks", "in memory after the steps, both ranks"]
+    head += ["on NVMe, both ranks", "losses (rank 0)"]
+    build = f" Model build and `initialize`: {ranks[0]['build_s']:.0f}s."
+    return {
+        "headline": render.table(head, [row], "rrrrlrrrrl"),
+        "headline-run": render.run_line(results) + build,
+    }
 
 
-def main(argv=None) -> int:
-    p = common.parser(__doc__, MODES, profile_dir=False)
-    p.set_defaults(rounds=None, warmup=None, steps=None, micro_batch=None)  # from the preset
-    p.add_argument(
-        "--small", action="store_true", help="smoke run: the ~5M-parameter model, few steps"
-    )
-    p.add_argument(
-        "--world",
-        type=int,
-        choices=(1, 2),
-        default=2,
-        help="2: ZeRO stage 2 at world size 2 (default); 1: stage 1 in one process",
-    )
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--pieces", type=int, default=8, help="pieces per rank (default 8)")
-    p.add_argument("--buffer-count", type=int, default=4, help="offload buffer_count (default 4)")
-    p.add_argument("--nvme-dir", default="/tmp", help="where the swap files go (default /tmp)")
-    common.add_noise_args(p, budget=300.0)
-    common.add_write_args(p, note_help="a line added to the written notes")
-    p.set_defaults(retries=None)  # 1, or 0 with --small
-    args = p.parse_args(argv)
-    if args.retries is None:
-        args.retries = 0 if args.small else 1
-    if args.worker:
-        worker(args)
-        return 0
-    return orchestrate(args)
+def tables(results: dict) -> dict:
+    out = headline_table(results)
+    if any(render.runs(results, m) for m in ("none", "cpu", *NVME_MODES)):
+        out |= offload_tables(results)
+    return out
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    h.main(SCENARIO, worker, tables, "bench_offload.py")

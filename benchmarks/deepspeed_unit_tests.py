@@ -4,16 +4,15 @@ DeepSpeed's `tests/unit` (from a checkout of its repository; CI has none) is col
 DeepSpeed, a deterministic sample of the test ids is taken (md5 of the id, modulo `--every`), and
 the sample runs twice: under DeepSpeed (`--ds-python`, a venv with `deepspeed==0.19.8`) and under
 shardspeed's alias (`--ss-python`, with SHARDSPEED_AS_DEEPSPEED=1). The figure is the share of
-the tests that pass under DeepSpeed that also pass under the alias; the per-file table and each
-failure's first error line go to stdout (and `--write` adds them to BENCHMARKS.md).
+the tests that pass under DeepSpeed that also pass under the alias; its tables (the counts, per
+file, and each test that passes under DeepSpeed only) go between their markers in BENCHMARKS.md.
 
     .venv/bin/python benchmarks/deepspeed_unit_tests.py --tests /path/to/DeepSpeed/tests \
-        --ds-python /path/to/dsvenv/bin/python --write
+        --ds-python /path/to/dsvenv/bin/python [--every N] [--quick] [--write]
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import subprocess
@@ -22,6 +21,22 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+
+import harness as h
+import render
+
+SCENARIO = h.Scenario(
+    name="unit_tests",
+    section="## DeepSpeed's unit tests under the alias",
+    modes={},
+    options={
+        "--tests": dict(type=Path, help="DeepSpeed's tests/ directory"),
+        "--ds-python": dict(help="python of a venv with deepspeed 0.19.8"),
+        "--ss-python": dict(default=sys.executable, help="python with shardspeed"),
+        "--every": dict(type=int, default=10, help="sample one id in N (default 10)"),
+    },
+    quick={"every": 200},
+)
 
 # What the measurement covers: config, initialize, LR schedules, launcher, utils, comm, monitor,
 # pipe, checkpoint, half precision, MoE, ZeRO and zero.Init.
@@ -126,55 +141,53 @@ def run(python: str, tests: Path, ids: list[str], alias: bool, work: Path) -> di
     return outcome
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tests", type=Path, required=True, help="DeepSpeed's tests/ directory")
-    parser.add_argument("--ds-python", required=True, help="python of a venv with deepspeed 0.19.8")
-    parser.add_argument("--ss-python", default=sys.executable, help="python with shardspeed")
-    parser.add_argument("--every", type=int, default=10, help="sample one id in N (default 10)")
-    parser.add_argument("--write", action="store_true", help="append the report to BENCHMARKS.md")
-    args = parser.parse_args()
-    tests = args.tests.resolve()
-    started = time.time()
+def measure(scenario, args) -> dict:
+    if not (args.tests and args.ds_python):
+        sys.exit("give --tests (DeepSpeed's tests/ directory) and --ds-python (a venv's python)")
+    tests, started = args.tests.resolve(), time.time()
     with tempfile.TemporaryDirectory() as tmp:
         ids = collect(args.ds_python, tests, Path(tmp))
         chosen = sample(ids, args.every)
         reference = run(args.ds_python, tests, chosen, alias=False, work=Path(tmp))
         ours = run(args.ss_python, tests, chosen, alias=True, work=Path(tmp))
-    passing = [i for i in chosen if reference[i] == "passed"]
+    meta = h.run_meta(time.time() - started, 0, {}) | {"quick": args.quick, "tests": str(tests)}
+    return {"scenario": scenario.name, "meta": meta, "runs": {}, "failed": {}} | {
+        "collected": len(ids),
+        "every": args.every,
+        "deepspeed": reference,
+        "alias": ours,
+    }
+
+
+def tables(results: dict) -> dict:
+    reference, ours = results["deepspeed"], results["alias"]
+    passing = [i for i in reference if reference[i] == "passed"]
     kept = [i for i in passing if ours[i] == "passed"]
-    lines = [
-        f"Collected under DeepSpeed: {len(ids)} tests; sample (1 in {args.every}): {len(chosen)}; "
-        f"under DeepSpeed 0.19.8: {dict(Counter(reference.values()))}; under the alias: "
-        f"{dict(Counter(ours.values()))}.",
-        "",
-        f"**{len(kept)} of the {len(passing)} sampled tests that pass under DeepSpeed pass under "
-        f"the alias ({100 * len(kept) / max(len(passing), 1):.0f}%).** Run time "
-        f"{time.time() - started:.0f}s.",
-        "",
-        "| file | pass under DeepSpeed | of those, pass under the alias |",
-        "|---|---:|---:|",
+    counts = [
+        ["collected under DeepSpeed", results["collected"]],
+        [f"sample (1 in {results['every']})", len(reference)],
+        ["under DeepSpeed 0.19.8", dict(sorted(Counter(reference.values()).items()))],
+        ["under the alias", dict(sorted(Counter(ours.values()).items()))],
+        ["pass under DeepSpeed that pass under the alias", f"**{len(kept)} of {len(passing)}**"],
+        ["share", f"**{100 * len(kept) / max(len(passing), 1):.0f}%**"],
     ]
-    by_file = Counter(i.split("::")[0] for i in passing)
-    kept_by_file = Counter(i.split("::")[0] for i in kept)
-    for path, count in sorted(by_file.items()):
-        lines.append(f"| `{path.removeprefix('tests/unit/')}` | {count} | {kept_by_file[path]} |")
-    lines += ["", "Passing under DeepSpeed, not under the alias:", ""]
-    lines += [f"- `{i.removeprefix('tests/unit/')}`: {ours[i]}" for i in passing if i not in kept]
-    report = "\n".join(lines)
-    print(report)
-    if args.write:
-        heading = [
-            "## DeepSpeed's unit tests under the alias",
-            "",
-            f"Date: {time.strftime('%Y-%m-%d')}. Tests: {tests} (DeepSpeed's repository). "
-            f"Command: `{' '.join(sys.argv)}`.",
-            "",
-        ]
-        with open(Path(__file__).resolve().parents[1] / "BENCHMARKS.md", "a") as page:
-            page.write("\n" + "\n".join(heading) + "\n" + report + "\n")
-    return 0
+    by_file, kept_by_file = (Counter(i.split("::")[0] for i in x) for x in (passing, kept))
+    files = [
+        [f"`{f.removeprefix('tests/unit/')}`", n, kept_by_file[f]]
+        for f, n in sorted(by_file.items())
+    ]
+    lost = [[f"`{i.removeprefix('tests/unit/')}`", ours[i]] for i in passing if i not in kept]
+    return {
+        "counts": render.table(["measure", "tests"], counts, "lr"),
+        "files": render.table(
+            ["file", "pass under DeepSpeed", "of those, pass under the alias"], files, "lrr"
+        ),
+        "lost": render.table(
+            ["passing under DeepSpeed, not under the alias", "under the alias"], lost
+        ),
+        "run": render.run_line(results),
+    }
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    h.main(SCENARIO, None, tables, "deepspeed_unit_tests.py", orchestrate=measure)

@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,8 @@ VOCAB, SEQ, D_MODEL, N_HEADS = 4096, 128, 256, 4
 MODEL_SEED, DATA_SEED = 1234, 4321
 LR, CLIP = 3e-4, 1.0
 DEEPSPEED_MISSING = "deepspeed is not installed in this environment"
+# The GPT scaled to 98.5M parameters (checkpoint and offload benchmarks).
+LM_100M = dict(n_embd=768, n_layer=13, n_head=12)
 
 
 # --------------------------------------------------------------------------------------------
@@ -53,7 +56,7 @@ def lm_config(**overrides):
     from gpt import GPTConfig
 
     base = dict(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=N_HEADS, n_embd=D_MODEL)
-    return GPTConfig(**base, init="torch", **overrides)
+    return GPTConfig(**(base | overrides), init="torch")
 
 
 def build_lm(**overrides):
@@ -297,16 +300,18 @@ def current_rss_mib() -> float:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
 
 
-def timed(step: Callable, batches: list, warmup: int, steps: int, tokens_per_step: int) -> dict:
-    """Warm-up steps, a barrier, `steps` timed steps, a barrier: tokens/s, ms/step, the first and
-    last loss, and the CPU accounting the orchestrator turns into 'other load'."""
+def timed(
+    step: Callable, batches: list, warmup: int, steps: int, tokens_per_step: int, sync=barrier
+) -> dict:
+    """Warm-up steps, a `sync` (barrier), `steps` timed steps, a `sync`: tokens/s, ms/step, the
+    first and last loss, and the CPU accounting the orchestrator turns into 'other load'."""
     losses = [step(x, y).item() for x, y in batches[:warmup]]
-    barrier()
+    sync()
     busy0, cpu0, t0 = machine_busy_s(), time.process_time(), time.perf_counter()
     for x, y in batches[warmup : warmup + steps]:
         loss = step(x, y)
     last = loss.item()
-    barrier()
+    sync()
     elapsed = time.perf_counter() - t0
     return {
         "elapsed_s": elapsed,
@@ -547,6 +552,8 @@ class Scenario:
     options: dict[str, dict] = field(default_factory=dict)  # extra CLI flags: name -> kwargs
     default_modes: Sequence[str] | None = None  # what runs without --modes (default: all)
     presets: dict[str, Sequence[str]] = field(default_factory=dict)  # flag -> the modes it runs
+    env: Callable[[str, argparse.Namespace], dict] | None = None  # a mode's extra environment
+    timeout: float | None = None  # seconds a run may take (then it counts as failed)
 
 
 def parse(scenario: Scenario, argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -571,8 +578,11 @@ def parse(scenario: Scenario, argv: Sequence[str] | None = None) -> argparse.Nam
     p.add_argument("--max-other-load", type=float, default=0.25, help="cores; rerun above")
     p.add_argument("--retries", type=int, default=1, help="reruns of a disturbed run")
     p.add_argument("--budget", type=float, default=600.0, help="seconds; then keep noisy runs")
+    p.add_argument("--timeout", type=float, default=scenario.timeout, help="seconds per run")
+    p.add_argument("--deadline", type=float, help="seconds; then start no further run")
     p.add_argument("--json", help="where the results go (default /tmp/shardspeed-bench/NAME.json)")
     p.add_argument("--render", metavar="JSON", help="only render the tables of a saved result")
+    p.add_argument("--merge", metavar="JSON", help="take the modes not run now from a saved result")
     p.add_argument("--write", action="store_true", help="write the tables into BENCHMARKS.md")
     for name, kwargs in scenario.options.items():
         p.add_argument(name, **kwargs)
@@ -615,30 +625,48 @@ def wait_idle(max_wait: float, threshold: float = 0.3) -> None:
             return
 
 
-def launch(script: str, mode: str, world: int, argv: list[str], tmp: Path, **env) -> dict:
+def launch(
+    script: str,
+    mode: str,
+    world: int,
+    argv: list[str],
+    tmp: Path,
+    env: dict | None = None,
+    timeout: float | None = None,
+) -> dict:
     """One measured run: `torch.distributed.run --standalone` of `script --worker MODE`. Rank 0's
     result with `ranks` (every rank's), the max peak RSS, wall time and 'other load' added; or
-    {"error"/"skipped": ..., "log": tail}."""
+    {"error"/"skipped": ..., "log": tail}. `env` is added to the environment ("" unsets)."""
     out = tmp / f"{mode}_ws{world}_{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={world}", str(BENCH_DIR / script), "--worker", mode]
     cmd += ["--result", str(out), *argv]
     threads = next((a.split("=")[1] for a in argv if a.startswith("--threads=")), "1")
-    full_env = os.environ | {"OMP_NUM_THREADS": threads, "DS_ACCELERATOR": "cpu"} | env
+    full_env = os.environ | {"OMP_NUM_THREADS": threads, "DS_ACCELERATOR": "cpu"} | (env or {})
+    full_env = {k: v for k, v in full_env.items() if v != ""}
     log = Path(f"{out}.log")
     t0 = time.perf_counter()
     with open(log, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
+        # A session of its own, so that a run past `timeout` goes down with all its ranks.
+        proc = subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=REPO, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = f"timed out after {timeout:.0f} s"
     wall = time.perf_counter() - t0
     files = [Path(f"{out}.rank{r}.json") for r in range(world)]
     ranks = [json.loads(f.read_text()) for f in files if f.exists()]
     if ranks and "skipped" in ranks[0]:
         return {"mode": mode, "world_size": world, "skipped": ranks[0]["skipped"]}
-    if proc.returncode != 0 or len(ranks) < world:
+    if code != 0 or len(ranks) < world:
         return {
             "mode": mode,
             "world_size": world,
-            "error": f"exit {proc.returncode}",
+            "error": code if isinstance(code, str) else f"exit {code}",
             "log": log.read_text()[-3000:],
         }
     r0 = dict(ranks[0], ranks=ranks, wall_s=wall, mode=mode, world_size=world)
@@ -662,10 +690,16 @@ def run_rounds(scenario: Scenario, args, script: str) -> dict:
         for mode in plan[rnd % len(plan) :] + plan[: rnd % len(plan)]:
             if mode in failed:
                 continue
+            if args.deadline and time.perf_counter() - t_start > args.deadline:
+                failed[mode] = {"skipped": f"--deadline: {args.deadline:.0f} s used"}
+                continue
             for attempt in range(args.retries + 1):
                 if args.wait_idle > 0:
                     wait_idle(args.wait_idle)
-                r = launch(script, mode, scenario.modes[mode], worker_argv(args, scenario), tmp)
+                env = scenario.env(mode, args) if scenario.env else None
+                argv = worker_argv(args, scenario)
+                world = scenario.modes[mode]
+                r = launch(script, mode, world, argv, tmp, env, args.timeout)
                 if "other_load" not in r or r["other_load"] <= args.max_other_load:
                     break
                 if attempt == args.retries or time.perf_counter() - t_start > args.budget:
@@ -748,6 +782,8 @@ def main(
         results = json.loads(Path(args.render).read_text())
     else:
         results = (orchestrate or (lambda s, a: run_rounds(s, a, script)))(scenario, args)
+        if args.merge:
+            merge(results, json.loads(Path(args.merge).read_text()))
         save(results, args.json)
     if args.write and results["meta"].get("quick"):
         sys.exit(f"{args.render} holds a --quick run: its figures are not measurements")
@@ -756,6 +792,15 @@ def main(
         print(f"\n[{name}]\n{text}")
     if args.write:
         render.write(scenario.name, rendered)
+
+
+def merge(results: dict, earlier: dict) -> None:
+    """Every mode not measured now, from an earlier result (to redo one disturbed mode alone)."""
+    for mode, runs in earlier["runs"].items():
+        if runs and not results["runs"].get(mode):
+            results["runs"][mode] = runs
+            results["failed"].pop(mode, None)
+    results["meta"]["merged"] = {"from": earlier["meta"], "modes": sorted(earlier["runs"])}
 
 
 def median(xs: Iterable) -> float:

@@ -53,8 +53,8 @@ timeout 120 python3 -m pytest -q tests/test_cuda.py tests/test_activation_checkp
 tests_rc=$?
 
 echo "== benchmark"
-timeout 210 python3 benchmarks/bench_gpu.py --out "$OUT/bench_gpu.md" --budget 150 \
-  --mode-timeout 75 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
+timeout 210 python3 benchmarks/bench_gpu.py --deadline 150 --timeout 75 \
+  --json "$OUT/bench_gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
 bench_rc=$?
 
 echo "gpu_check: tests exit $tests_rc, benchmark exit $bench_rc (124: timed out)," \
