@@ -180,6 +180,20 @@ def test_destroy_removes_swap_files_and_a_dropped_engine_is_collected(tmp_path):
     assert alive() is None and list(tmp_path.iterdir()) == []
 
 
+def test_offload_at_stage_0_changes_nothing(tmp_path, caplog):
+    # The loader accepts it with a warning, as DeepSpeed does; the engine must then not offload.
+    config = {
+        "train_batch_size": 8,
+        "optimizer": {"type": "Adam"},
+        **keys(0, "nvme", str(tmp_path)),
+    }
+    with caplog.at_level("WARNING", logger="shardspeed"):
+        engine, *_ = shardspeed.initialize(model=make_model(), config=config)
+    assert "only acts at ZeRO stage 1 or 2 or 3" in caplog.text
+    assert not engine.optimizer.offload.enabled
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_half_precision_nvme_offload_equals_no_offload(pool2, tmp_path, precision):
     # 16-bit models have separate fp32 masters; their moments go to the swap files all the same.

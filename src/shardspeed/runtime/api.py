@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import comm, compat, shardspeed_version
+from .. import alias, comm, shardspeed_version
+from ..alias import DEEPSPEED_VERSION
 from ..comm import groups, init_distributed
-from ..compat import DEEPSPEED_VERSION
 from ..config import (
     ConfigError,
     RunFacts,
@@ -137,7 +137,7 @@ def _log_run(run_config: ShardSpeedConfig, topology: comm.Topology) -> None:
     logger.info(
         "shardspeed %s%s",
         shardspeed_version,
-        f" standing in for deepspeed {DEEPSPEED_VERSION}" if compat.is_installed() else "",
+        f" standing in for deepspeed {DEEPSPEED_VERSION}" if alias.is_installed() else "",
     )
     logger.info(
         "world size %d (data %d x pipeline %d x tensor %d), batch %d = micro %d x "

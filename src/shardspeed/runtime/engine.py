@@ -846,6 +846,9 @@ DeepSpeedEngine = ShardSpeedEngine
 def offload_options(config: ShardSpeedConfig) -> OffloadOptions:
     """`zero_optimization.offload_optimizer`, `sub_group_size` and `aio` for the optimizer."""
     zero, aio = config.zero_optimization, config.aio
+    if zero.stage == 0:
+        # The loader warned that offloading acts only from stage 1 (parameters: stage 3).
+        return OffloadOptions()
     offload = zero.offload_optimizer
     return OffloadOptions(
         device=offload.device,

@@ -5,8 +5,9 @@
 - parameters: `ReplicatedParams` (the whole model in one buffer on every rank, shards all-gathered
   after a step) or `ShardedParams` (stage 3: only this rank's shard, units gathered on use);
 - masters, the fp32 tensors the torch optimizer steps: `AliasedMasters` (fp32 model, same device:
-  the model's own values), `CopiedMasters` (an fp32 copy), `HostMasters` (an fp32 copy in host
-  memory, gradients staged into a pinned buffer) or `SwappedMasters` (stage 3's NVMe shard);
+  the model's own values), `CopiedMasters` (an fp32 copy; in host memory when the optimizer is
+  offloaded, gradients then staged by `HostStep` into a pinned buffer) or `SwappedMasters`
+  (stage 3's NVMe shard);
 - optimizer states: `MemoryStates`, or `SwappedStates` (offload.py) for NVMe.
 
 `build_stores` makes the choice; the optimizer's step calls the same methods whatever was chosen.
