@@ -11,6 +11,8 @@ import harness as h
 import render
 
 STAGE12 = (
+    "ddp",
+    "ddp_fused",
     "ours_s1",
     "deepspeed_s1",
     "ours_s2",
@@ -28,6 +30,9 @@ SCENARIO = h.Scenario(
     section="## ZeRO stages 1 and 2 vs DeepSpeed and FSDP2",
     modes=dict.fromkeys(STAGE12 + STAGE3, 2),
     comparisons=[
+        ("ours_s1", "ddp", 0.97, "shardspeed stage 1 vs torch DDP"),
+        ("ours_s2", "ddp", 0.97, "shardspeed stage 2 vs torch DDP"),
+        ("ours_s2", "ddp_fused", None, "vs DDP with AdamW(fused=True)"),
         ("ours_s1", "deepspeed_s1", 1.0, "shardspeed stage 1 vs DeepSpeed stage 1"),
         ("ours_s2", "deepspeed_s2", 1.0, "shardspeed stage 2 vs DeepSpeed stage 2"),
         ("ours_s2", "fsdp2", 1.0, "shardspeed stage 2 vs FSDP2 (ZeRO-2 mode)"),
@@ -51,7 +56,9 @@ POINTS = ("after_forward", "after_backward", "after_step")
 
 
 def stage(mode: str) -> int:
-    """The ZeRO stage a mode runs (FSDP2: the stage it is compared with)."""
+    """The ZeRO stage a mode runs (FSDP2: the stage it is compared with; DDP: 0)."""
+    if mode.startswith("ddp"):
+        return 0
     return 3 if "_s3" in mode else 1 if "_s1" in mode else 2
 
 
@@ -123,7 +130,19 @@ def worker(mode: str, args) -> dict:
     model = h.build_lm()
     # One batch more than the timed run uses: the census step after it.
     batches = h.random_batches(rank, args.warmup + args.steps + 1, args.micro_batch)
-    if mode.startswith("fsdp2"):
+    if mode.startswith("ddp"):
+        fused = mode.endswith("_fused")
+        forward, backward, update, opt = h.trainer("ddp", model, fused=fused)
+        settings = f"DistributedDataParallel, AdamW(fused={fused})"
+
+        def census():
+            # Parameters, their .grad and AdamW's moments; DDP's own reduction buckets are not
+            # model states and are left out.
+            c = h.Census().add("parameters", model.parameters())
+            c.add("gradients", [p.grad for p in model.parameters()])
+            return c.add("optimizer_states", h.optimizer_state(opt)).result("other")
+
+    elif mode.startswith("fsdp2"):
         opts, reshard = fsdp_options(mode)
         fused = mode.endswith("_fused")
         forward, backward, update, opt = h.trainer("fsdp2", model, fsdp=opts, fused=fused)

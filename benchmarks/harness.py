@@ -423,7 +423,8 @@ def census_deepspeed(engine) -> dict:
     inner = getattr(opt, "optimizer", None)
     c.add("optimizer_states", optimizer_state(inner) if inner is not None else [])
     buckets = getattr(opt, "ipg_buckets", None) or {}
-    c.add("bucket", [getattr(b, "buffer", None) for b in buckets.values()])
+    held = [getattr(b, "buffer", None) for b in buckets.values()]  # stages 1-2: lists of tensors
+    c.add("bucket", [t for x in held for t in (x if isinstance(x, list) else [x])])
     roots = [opt, getattr(opt, "parameter_offload", None)]
     return c.add("other", reachable_tensors(roots, ("deepspeed",))).result("other", "bucket")
 
