@@ -24,7 +24,7 @@ from ..checkpoint import load_engine, save_engine
 from ..checkpoint import lock as checkpoint_lock
 from ..checkpoint.sixteen_bit import consolidated_state_dict, save_16bit_model
 from ..checkpoint.values import all_gather_json
-from ..comm import Topology, all_reduce, configure_comms_logger, get_local_rank
+from ..comm import Topology, configure_comms_logger, get_local_rank
 from ..common.observer import EngineComponent, StepObserver
 from ..config import (
     RunFacts,
@@ -34,8 +34,7 @@ from ..config import (
     scheduler_params,
 )
 from ..config.errors import ConfigError
-from ..moe.gating import imbalance
-from ..moe.layer import MoE
+from ..moe.placement import expert_load, place_experts
 from ..monitor import MonitorMaster, NullRecorder, TraceRecorder, merge_gathered
 from ..monitor.step import (
     CommSummary,
@@ -52,7 +51,6 @@ from ..profiling.flops_profiler import FlopsProfiler
 from ..profiling.flops_profiler.observer import ProfiledStep
 from ..zero import (
     AioOptions,
-    ExpertParameters,
     GatherOptions,
     OffloadOptions,
     ReduceOptions,
@@ -122,8 +120,9 @@ class ShardSpeedEngine(nn.Module):
         model.to(device=self.device)
         _cast_module(model, self.dtype, _DTYPES.get(config.data_types.buffer_dtype))
         self.module = model
-        self.moe_layers = self._connect_experts()
-        self.expert_tensor_names = self._name_expert_tensors()
+        self.experts = place_experts(model, topology, config.use_data_before_expert_parallelism)
+        self.moe_layers = self.experts.layers
+        self.expert_tensor_names = self.experts.tensor_names
 
         self.basic_optimizer = _client_optimizer(optimizer, model_parameters, model, config)
         if self.basic_optimizer is not None:
@@ -154,67 +153,6 @@ class ShardSpeedEngine(nn.Module):
             logger.info("engine state: %s", _state_summary(self))
 
     # -- construction -------------------------------------------------------------------------
-
-    def _connect_experts(self) -> dict[str, MoE]:
-        """The model's MoE layers by name; those with ep_size > 1 get their expert groups."""
-        layers = {n: m for n, m in self.module.named_modules() if isinstance(m, MoE)}
-        parallel = sorted({m.ep_size for m in layers.values() if m.ep_size > 1})
-        topo = self.topology
-        for size in parallel:
-            if topo.dp_world_size % size:
-                raise ConfigError(
-                    f"an MoE layer has ep_size {size}, which does not divide the data-parallel "
-                    f"size {topo.dp_world_size}"
-                )
-            groups = topo.expert_groups(size, self.run_config.use_data_before_expert_parallelism)
-            for layer in layers.values():
-                if layer.ep_size == size:
-                    layer.set_expert_groups(groups)
-        return layers
-
-    def _name_expert_tensors(self) -> dict[str, tuple[str, bool]]:
-        """Module name -> (checkpoint name, first holder) of every parameter and buffer inside an
-        expert of an expert-parallel MoE layer. An expert's checkpoint name carries its global
-        index (what the layer is at ep_size 1), and the first rank of its expert-data group
-        writes it."""
-        names = {}
-        for prefix, layer in self.moe_layers.items():
-            if layer.ep_size == 1:
-                continue  # every rank holds every expert, under its own name
-            first = layer.deepspeed_moe.groups.expert_data_rank == 0
-            stem = ".".join(filter(None, (prefix, "deepspeed_moe.experts.deepspeed_experts")))
-            experts = layer.deepspeed_moe.experts.deepspeed_experts
-            for i, expert in enumerate(experts):
-                tensors = [*expert.named_parameters(), *expert.named_buffers()]
-                for name, _ in tensors:
-                    global_name = f"{stem}.{layer.global_expert_index(i)}.{name}"
-                    names[f"{stem}.{i}.{name}"] = (global_name, first)
-        return names
-
-    def _expert_parameters(self) -> list[ExpertParameters]:
-        """Each expert-parallel MoE layer's trainable expert weights, with their global names."""
-        out = []
-        for prefix, layer in self.moe_layers.items():
-            if layer.ep_size == 1:
-                continue  # every rank holds every expert: averaged with the rest
-            groups = layer.deepspeed_moe.groups
-            named = [
-                (self.expert_tensor_names[f"{prefix}.{n}" if prefix else n][0], p)
-                for n, p in layer.deepspeed_moe.experts.named_parameters(
-                    prefix="deepspeed_moe.experts"
-                )
-                if p.requires_grad
-            ]
-            out.append(
-                ExpertParameters(
-                    tuple(p for _, p in named),
-                    tuple(n for n, _ in named),
-                    groups.expert_data_group,
-                    groups.expert_data_rank,
-                    groups.expert_data_size,
-                )
-            )
-        return out
 
     def _wrap_optimizer(self, basic: torch.optim.Optimizer | None) -> ZeroOptimizer | None:
         if basic is None:
@@ -307,7 +245,7 @@ class ShardSpeedEngine(nn.Module):
         return {
             "ties": ties,
             "norm_group": topo.mp_group if parallel else None,
-            "experts": self._expert_parameters(),
+            "experts": self.experts.parameters,
             "segments": _pipeline_part(self.module, "chunk_parameters", ()),
         }
 
@@ -626,21 +564,9 @@ class ShardSpeedEngine(nn.Module):
         its experts (`exp_counts`), tokens each got (`tokens_per_expert`), tokens dropped, and the
         imbalance (busiest expert's tokens over the mean). This rank's tokens, or with
         `over_data_parallel` summed over the data-parallel group (collective)."""
-        report = {}
-        for name, layer in self.moe_layers.items():
-            load = layer.expert_load()
-            if load and over_data_parallel and self.dp_world_size > 1:
-                dropped = load["dropped"].expand_as(load["exp_counts"])
-                counts = torch.stack([load["exp_counts"], load["tokens_per_expert"], dropped])
-                all_reduce(counts, group=self.topology.dp_group)
-                load = {
-                    "exp_counts": counts[0],
-                    "tokens_per_expert": counts[1],
-                    "dropped": counts[2, 0],
-                    "imbalance": imbalance(counts[1]),
-                }
-            report[name] = load
-        return report
+        if not over_data_parallel:
+            return expert_load(self.moe_layers)
+        return expert_load(self.moe_layers, self.topology.dp_group, self.dp_world_size)
 
 
 def _client_optimizer(
