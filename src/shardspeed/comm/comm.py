@@ -704,6 +704,24 @@ def all_to_all_single(
     )  # fmt: skip
 
 
+def batch_isend_irecv(ops: list[dist.P2POp]) -> list[Any]:
+    """Post point-to-point sends and receives (`torch.distributed.P2POp`s) together; return one
+    Work per op, to `wait()` on. Sends count under "send". There is no same-call check: the peers of
+    a point-to-point batch are not a whole group making one collective."""
+    global _seq
+    _seq += 1
+    seq = _seq
+    for op in ops:
+        if op.op is dist.isend:
+            _count("send", op.tensor)
+    group = ops[0].group if ops else None
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except RuntimeError as exc:
+        raise _collective_error("batch_isend_irecv", seq, group, exc, None) from exc
+    return [_CheckedWork(work, "batch_isend_irecv", seq, group) for work in works]
+
+
 def all_gather(
     outputs: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> Any:
