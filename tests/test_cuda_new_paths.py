@@ -1,6 +1,7 @@
 """The code paths of issues 9-11 on one CUDA device: the MoE layer, block-cache generation, the
-hybrid engine, int8 inference, the flops profiler and the comms logger. Marked `cuda`, skipped
-without a device; world size 1 (NCCL), so multi-rank paths stay with the gloo tests."""
+hybrid engine, int8 inference, the flops profiler and the comms logger; and stage 3's gather and
+reduce streams. Marked `cuda`, skipped without a device; world size 1 (NCCL), so multi-rank paths
+stay with the gloo tests."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 import shardspeed
 from shardspeed.comm import free_port
+from shardspeed.zero.flat import FlatLayout
+from shardspeed.zero.reducer import GradientReducer
+from shardspeed.zero.streams import CommStreams
 
 pytestmark = [
     pytest.mark.cuda,
@@ -206,3 +211,127 @@ def test_comms_logger_on_cuda_records_nccl_collectives():
         assert summary["all_reduce"]["bytes"] == 4096 and summary["all_reduce"]["latency_ms"] > 0
     finally:
         comm.configure_comms_logger(CommsLoggerConfig(enabled=False))
+
+
+# -- stage 3's gather and reduce streams (zero/streams.py) ---------------------------------------
+
+# Enough cycles to keep the compute stream busy for a good part of a second.
+BUSY_CYCLES = 1_000_000_000
+
+
+class ComputeStreamOnly:
+    """CUDA's streams, with each side stream being the compute stream: the single-stream run."""
+
+    def Stream(self, device: torch.device | None = None, priority: int = 0) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(device)
+
+    def stream(self, stream: torch.cuda.Stream) -> torch.cuda.StreamContext:
+        return torch.cuda.stream(stream)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream()
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def stage3_offloaded_engine():
+    # offload_param keeps stage 3 on one rank, and each gather copies the shard from host memory.
+    engine, *_ = shardspeed.initialize(
+        model=Blocks(),
+        config={
+            "train_batch_size": 8,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "communication_data_type": "bf16",  # a cast on the reduce stream, and back
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_param_persistence_threshold": 0,
+                "reduce_bucket_size": 1200,  # a bucket per block
+                "offload_param": {"device": "cpu", "pin_memory": True},
+            },
+        },
+    )
+    return engine
+
+
+def train_stage3(streams: CommStreams | None) -> list[torch.Tensor]:
+    engine = stage3_offloaded_engine()
+    optimizer = engine.optimizer
+    if streams is not None:
+        optimizer.sharded_params.streams = optimizer.reducer.streams = streams
+    gen = torch.Generator().manual_seed(6)
+    try:
+        for _ in range(3):
+            x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 8, generator=gen)
+            x, y = x.to(engine.device), y.to(engine.device)
+            engine.backward(F.mse_loss(engine(x), y))
+            engine.step()
+        torch.cuda.synchronize()
+        with shardspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            return [p.detach().cpu().clone() for p in engine.module.parameters()]
+    finally:
+        engine.destroy()
+
+
+def test_stage3_side_streams_are_cuda_streams_and_equal_one_stream():
+    engine = stage3_offloaded_engine()
+    optimizer = engine.optimizer
+    streams = optimizer.sharded_params.streams
+    assert streams is optimizer.reducer.streams is CommStreams.for_device(engine.device)
+    compute = torch.cuda.current_stream()
+    assert isinstance(streams.gather, torch.cuda.Stream) and streams.gather != compute
+    assert isinstance(streams.reduce, torch.cuda.Stream) and streams.reduce != compute
+    assert streams.gather != streams.reduce
+    engine.destroy()
+    # The side streams change where the work runs, not what it computes: bit for bit the same.
+    side = train_stage3(None)
+    single = train_stage3(CommStreams(ComputeStreamOnly()))
+    for i, (a, b) in enumerate(zip(side, single, strict=True)):
+        assert torch.equal(a, b), f"parameter {i} differs from the single-stream run"
+
+
+def test_stage3_gather_runs_beside_the_compute_stream():
+    engine = stage3_offloaded_engine()
+    sharded = engine.optimizer.sharded_params
+    unit = next(u for u, unit in enumerate(sharded.units) if not unit.persistent)
+    sharded.gather(unit)
+    expected = sharded.buffers[unit].clone()
+    sharded.release(unit)
+    torch.cuda.synchronize()
+    sharded._launch(unit)  # the copy from host memory and the all-gather, on the gather stream
+    torch.cuda._sleep(BUSY_CYCLES)  # compute queued after the launch
+    sharded.streams.gather.synchronize()
+    assert not torch.cuda.current_stream().query(), "the gather waited for later compute"
+    sharded.gather(unit)  # the compute stream waits for the gather stream
+    assert torch.equal(sharded.buffers[unit], expected)
+    engine.destroy()
+
+
+def test_reduction_runs_beside_the_compute_stream():
+    device = torch.device("cuda")
+    layout = FlatLayout.of([[torch.zeros(3), torch.zeros(2, 2)]])
+    grads = torch.arange(1.0, 8.0, device=device)
+    reducer = GradientReducer(
+        layout, 100, None, torch.float32, torch.bfloat16, 0.5, 0.5, grads=grads, device=device
+    )
+    assert reducer.streams is CommStreams.for_device(device)
+    reducer.reset()
+    reducer.active = True
+    torch.cuda.synchronize()
+    reducer.mark_ready(0)
+    reducer.mark_ready(1)  # the bucket is complete: cast and scaled on the reduce stream
+    torch.cuda._sleep(BUSY_CYCLES)
+    reducer.streams.reduce.synchronize()
+    assert not torch.cuda.current_stream().query(), "the reduction waited for later compute"
+    assert reducer.finish() == []  # the compute stream waits for the reduce stream
+    assert grads.tolist() == [0.25 * v for v in range(1, 8)]

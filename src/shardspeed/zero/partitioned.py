@@ -17,13 +17,17 @@ meaning: with its default of 1e9 a small model stays gathered from its forward t
 Neither prefetching nor keeping ever takes the gathered non-persistent elements above
 `stage3_max_live_parameters`; a unit needed now evicts kept units first. A pass that leaves the
 recorded order stops prefetching and keeping, and the next pass records again.
+
+On CUDA a gather runs on the gather stream of `streams.CommStreams` (the shard's copy to the device
+and the all-gather), so a prefetch overlaps the current unit's compute; the compute stream waits for
+it only when the unit is used.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,6 +41,7 @@ from .flat import FlatLayout, logical_shape
 from .init import ZeroParamStatus, is_init_sharded
 from .init import gather as gather_init_sliced
 from .init import release as release_init_sliced
+from .streams import CommStreams
 
 # The attribute naming the ShardedParameters that owns a parameter (how GatheredParameters finds
 # what to gather; tensors cannot be dictionary keys by value).
@@ -237,6 +242,18 @@ class SwappedShard:
         return []
 
 
+class _Gathering(NamedTuple):
+    """A unit being gathered: its buffer, the collectives' works, the rows they gather into when
+    the unit has several regions (put in place once they are done), and this rank's pieces as the
+    collectives read them (a copy on the gather stream when the shard is elsewhere, held until
+    that stream has waited for the collectives)."""
+
+    buffer: torch.Tensor
+    works: list
+    rows: torch.Tensor | None
+    inputs: list[torch.Tensor]
+
+
 class _Trace:
     """The order units were used in during one pass (a forward and its backward)."""
 
@@ -279,12 +296,14 @@ class ShardedParameters:
         group: Any,
         options: Stage3Options | None = None,
         device: torch.device | None = None,
+        streams: CommStreams | None = None,
     ) -> None:
         self.units, self.layout, self.unit_regions = units, layout, unit_regions
         self.store, self.group = store, group
         # Where gathered units live: the training device, also when `offload_param` keeps the
         # shard in host memory or in swap files (each gather then copies this rank's piece over).
         self.device = device or store.device
+        self.streams = streams or CommStreams.for_device(self.device)
         self.options = options or Stage3Options()
         self.index = {p: i for i, p in enumerate(params)}
         self.params = params
@@ -314,9 +333,7 @@ class ShardedParameters:
         # Forwards with and without autograd use units in different orders: one trace each.
         self._traces = {True: _Trace(), False: _Trace()}
         self.trace = self._traces[True]
-        # A unit being gathered: its buffer, the collectives' works, and (several regions) the
-        # rows they gather into, to be put in place once they are done.
-        self._in_flight: dict[int, tuple[torch.Tensor, list, torch.Tensor | None]] = {}
+        self._in_flight: dict[int, _Gathering] = {}  # units being gathered
         self.peak_gathered_bytes = 0
         self.peak_live_elements = 0  # what stage3_max_live_parameters bounds
         for p in params:
@@ -362,12 +379,17 @@ class ShardedParameters:
             if not self.units[u].persistent:
                 self._make_room(self.numel[u])
             self._launch(u)
-        buffer, works, rows = self._in_flight.pop(u)
-        for work in works:
-            work.wait()
-        if rows is not None:
+        gathering = self._in_flight.pop(u)
+        with self.streams.on(self.streams.gather):
+            for work in gathering.works:
+                work.wait()
+        # From here on the unit is read on the compute stream; the gather stream is past the
+        # collectives, so the pieces they read (`gathering.inputs`) may go.
+        self.streams.current().wait_stream(self.streams.gather)
+        buffer = gathering.buffer
+        if gathering.rows is not None:
             self.layout.place_gathered(
-                rows, self._regions_with_elements(u), buffer, self.span(u)[0]
+                gathering.rows, self._regions_with_elements(u), buffer, self.span(u)[0]
             )
         self.buffers[u] = buffer
         self._note_live()
@@ -399,29 +421,37 @@ class ShardedParameters:
 
     def _launch(self, u: int) -> None:
         start, end = self.span(u)
+        # The buffers are allocated on the compute stream, which reads them (see streams.py).
         buffer = self._unit_buffer(u, end - start)
         regions = self._regions_with_elements(u)
         rows = None
         if len(regions) > 1:
             # One collective for the unit: its regions' shards lie side by side in the store;
             # they are gathered as one and each rank's pieces put in place once they are here.
-            mine = self.store.pieces(regions).to(self.device, non_blocking=True)
             world = self.layout.shards[regions[0]]
-            rows = torch.empty(world, mine.numel(), dtype=mine.dtype, device=self.device)
-            works = [all_gather_into_tensor(rows.view(-1), mine, group=self.group, async_op=True)]
-        else:
-            works = []
-            for r in regions:
-                r_start, r_end = self.layout.groups[r]
-                mine = self.store.piece(r).to(self.device, non_blocking=True)
-                out = buffer[r_start - start : r_end - start]
-                works.append(all_gather_into_tensor(out, mine, group=self.group, async_op=True))
-        self._in_flight[u] = (buffer, works, rows)
+            numel = sum(self.layout.shard_size(r) for r in regions)
+            rows = torch.empty(world, numel, dtype=self.store.dtype, device=self.device)
+        inputs, works = [], []
+        with self.streams.side(self.streams.gather):
+            if rows is not None:
+                mine = self.store.pieces(regions).to(self.device, non_blocking=True)
+                inputs.append(mine)
+                works.append(
+                    all_gather_into_tensor(rows.view(-1), mine, group=self.group, async_op=True)
+                )
+            else:
+                for r in regions:
+                    r_start, r_end = self.layout.groups[r]
+                    mine = self.store.piece(r).to(self.device, non_blocking=True)
+                    inputs.append(mine)
+                    out = buffer[r_start - start : r_end - start]
+                    works.append(all_gather_into_tensor(out, mine, group=self.group, async_op=True))
+        self._in_flight[u] = _Gathering(buffer, works, rows, inputs)
         self._note_live()
 
     def _note_live(self) -> None:
         # A unit gathered as one also holds its rows until they are put in place.
-        in_flight = [t for b, _, rows in self._in_flight.values() for t in (b, rows)]
+        in_flight = [t for g in self._in_flight.values() for t in (g.buffer, g.rows)]
         buffers = [*self.buffers.values(), *(t for t in in_flight if t is not None)]
         live = sum(b.numel() * b.element_size() for b in buffers)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)

@@ -24,6 +24,10 @@ Segments (a pipeline rank's model chunks, which separate backward passes visit) 
 bucket; a micro-step that names a segment launches only that segment's buckets. Neither do regions
 reduced over different groups (`region_groups`: a mixture of experts' expert weights, averaged only
 among the ranks that hold the same experts).
+
+On CUDA a bucket's reduction runs on the reduce stream of `streams.CommStreams`, after the compute
+stream has written its gradients; the compute stream waits for it before a pooled buffer is filled
+again and, in `finish`, before the step reads the gradients.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch.distributed as dist
 
 from ..comm import all_reduce, reduce, reduce_scatter_tensor
 from .flat import FlatLayout
+from .streams import CommStreams
 
 # On gloo (CPU, 2 ranks, the wrapped collectives) one reduce per owner beat reduce_scatter_tensor:
 # 44 ms against 68 ms for a bucket of 10.6M fp32 elements, 7.2 against 9.3 ms for 2M.
@@ -98,8 +103,11 @@ class GradientReducer:
     segment_starts: tuple[int, ...] = (0,)  # the first parameter index of each segment
     region_groups: tuple[Any, ...] = ()  # each layout region's group; empty: all `group`
     region_ranks: tuple[int, ...] = ()
+    streams: CommStreams | None = None  # None: the device's own (`CommStreams.for_device`)
     active: bool = False
     pool: list[torch.Tensor] = field(default_factory=list)  # spare bucket buffers
+    # For each spare buffer, an event recorded on the reduce stream when its last reduction ended.
+    _pool_reduced: list[Any] = field(default_factory=list)
     _buckets: list[_Bucket] = field(default_factory=list)
     _bucket_of: list[int] = field(default_factory=list)
     _next: int = 0
@@ -114,6 +122,9 @@ class GradientReducer:
     _largest: int = 0
 
     def __post_init__(self) -> None:
+        if self.streams is None:
+            where = self.grads.device if self.grads is not None else self.device
+            self.streams = CommStreams.for_device(where or torch.device("cpu"))
         starts = set(self.segment_starts)
         region_groups = self.region_groups or (self.group,) * len(self.layout.groups)
         self._groups = []
@@ -207,14 +218,24 @@ class GradientReducer:
             return
         if self.pool:
             bucket.storage = self.pool.pop()
+            # Gradients are copied into it on the compute stream: not before its last reduction,
+            # on the reduce stream, is over.
+            self.streams.current().wait_event(self._pool_reduced.pop())
         else:
             bucket.storage = torch.empty(self._largest, dtype=self.grad_dtype, device=self.device)
         bucket.buffer = bucket.storage[: bucket.end - bucket.start]
 
-    def _detach(self, bucket: _Bucket) -> None:
-        """Give a pooled bucket's buffer back (kept for the next bucket if the pool has room)."""
-        if bucket.storage is not None and len(self.pool) <= (self.max_in_flight or 0):
-            self.pool.append(bucket.storage)
+    def _detach(self, bucket: _Bucket, reduced: Any) -> None:
+        """Give a pooled bucket's buffer back (kept for the next bucket if the pool has room);
+        `reduced` is the event that ends its reduction."""
+        if bucket.storage is not None:
+            if len(self.pool) <= (self.max_in_flight or 0):
+                self.pool.append(bucket.storage)
+                self._pool_reduced.append(reduced)
+            else:
+                # Let go: the allocator may hand its memory out again on the compute stream (where
+                # it was allocated) at once, so that stream waits until the reduction is over.
+                self.streams.current().wait_event(reduced)
         bucket.buffer = bucket.storage = None
 
     def mark_ready(self, index: int) -> None:
@@ -241,6 +262,7 @@ class GradientReducer:
             self._launch(bucket)
         while self._in_flight:
             self._complete(self._in_flight.popleft())
+        self.streams.current().wait_stream(self.streams.reduce)  # the step reads what it wrote
         self._next = self._stop
         self.active = False  # done for this step: a second call must not scale again
         return [i for i in self._params if not self._seen[i]]
@@ -267,11 +289,22 @@ class GradientReducer:
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.buffer is None:
-            self._attach(bucket)
+            self._attach(bucket)  # on the compute stream, whose allocations it shares
+        with self.streams.side(self.streams.reduce):
+            self._send(bucket)
+        self._in_flight.append(bucket)
+        # Without overlap a bucket is reduced before backward goes on, as DeepSpeed does.
+        limit = self.max_in_flight if self.overlap else 0
+        while limit is not None and len(self._in_flight) > limit:
+            self._complete(self._in_flight.popleft())
+
+    def _send(self, bucket: _Bucket) -> None:
+        """Prepare `bucket` and start its collectives (on the reduce stream)."""
         if bucket.storage is not None:
             self._clear_unwritten(bucket)
         chunk = bucket.buffer
         if self.comm_dtype != chunk.dtype:
+            # Allocated on the reduce stream, and held until that stream waited for the collective.
             bucket.staging = chunk.to(self.comm_dtype)
             chunk = bucket.staging
         if self.pre_scale != 1.0:
@@ -289,13 +322,18 @@ class GradientReducer:
                 reduce(chunk[lo:hi], dst, group=group, async_op=True)
                 for dst, lo, hi in bucket.sends
             ]
-        self._in_flight.append(bucket)
-        # Without overlap a bucket is reduced before backward goes on, as DeepSpeed does.
-        limit = self.max_in_flight if self.overlap else 0
-        while limit is not None and len(self._in_flight) > limit:
-            self._complete(self._in_flight.popleft())
 
     def _complete(self, bucket: _Bucket) -> None:
+        with self.streams.on(self.streams.reduce):
+            self._receive(bucket)
+            reduced = self.streams.reduce.record_event()
+        bucket.works, bucket.staging = [], None
+        if self.grads is None:
+            self._detach(bucket, reduced)
+
+    def _receive(self, bucket: _Bucket) -> None:
+        """Wait for `bucket`'s collectives, then copy back, post-scale and hand over this rank's
+        pieces (on the reduce stream)."""
         for work in bucket.works:
             work.wait()
         # Where an all-reduce fills the full gradient buffer the whole bucket is kept; otherwise
@@ -313,6 +351,3 @@ class GradientReducer:
         if self.on_reduced is not None:
             for lo, hi, offset in bucket.kept:
                 self.on_reduced(offset, bucket.buffer[lo:hi])
-        bucket.works, bucket.staging = [], None
-        if self.grads is None:
-            self._detach(bucket)
