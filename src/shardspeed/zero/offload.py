@@ -44,6 +44,34 @@ class OffloadOptions:
     def enabled(self) -> bool:
         return self.device != "none"
 
+    @classmethod
+    def from_config(cls, config: Any) -> OffloadOptions:
+        """From the validated config: `zero_optimization.offload_optimizer`, `offload_param`,
+        `sub_group_size` and `aio`."""
+        zero, aio = config.zero_optimization, config.aio
+        if zero.stage == 0:
+            # The loader warned that offloading acts only from stage 1 (parameters: stage 3).
+            return cls()
+        offload = zero.offload_optimizer
+        return cls(
+            device=offload.device,
+            nvme_path=offload.nvme_path,
+            pin_memory=offload.pin_memory,
+            buffer_count=offload.buffer_count,
+            pipeline_read=offload.pipeline_read,
+            pipeline_write=offload.pipeline_write,
+            sub_group_size=zero.sub_group_size,
+            param_device=zero.offload_param.device,
+            param_nvme_path=zero.offload_param.nvme_path,
+            aio=AioOptions(
+                block_size=aio.block_size,
+                queue_depth=aio.queue_depth,
+                thread_count=aio.intra_op_parallelism,
+                single_submit=aio.single_submit,
+                overlap_events=aio.overlap_events,
+            ),
+        )
+
 
 def per_element(value: Any, numel: int) -> bool:
     """An optimizer state with one value per element of a master of `numel` elements (Adam's

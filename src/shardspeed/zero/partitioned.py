@@ -84,6 +84,28 @@ class Stage3Options:
     # Entries the user wrote (not DeepSpeed's defaults): one that matches nothing is an error.
     leaf_required: tuple[str, ...] = ()
 
+    @classmethod
+    def from_config(cls, zero: Any) -> Stage3Options:
+        """From the validated `zero_optimization` section."""
+        leaf = zero.leaf_module
+        defaults = type(leaf)()
+        required = [
+            *(c for c in leaf.classes if c not in defaults.classes),
+            *leaf.names,
+            *leaf.name_suffixes,
+        ]
+        return cls(
+            persistence_threshold=zero.stage3_param_persistence_threshold,
+            model_persistence_threshold=zero.stage3_model_persistence_threshold,
+            prefetch_elements=zero.stage3_prefetch_bucket_size,
+            max_live_elements=zero.stage3_max_live_parameters,
+            max_reuse_distance=zero.stage3_max_reuse_distance,
+            leaf_classes=tuple(leaf.classes),
+            leaf_names=tuple(leaf.names),
+            leaf_name_suffixes=tuple(leaf.name_suffixes),
+            leaf_required=tuple(required),
+        )
+
 
 @dataclass
 class Unit:
