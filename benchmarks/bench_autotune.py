@@ -246,14 +246,11 @@ def _planner(summary: dict, optimizer: bool = True):
     from shardspeed.autotuning.planner import Planner
 
     fitted = summary["calibration"]
+    same = ("num_params", "dp_size", "mp_size", "precision", "tokens_per_sample")
     return Planner(
-        num_params=fitted["num_params"],
-        dp_size=fitted["dp_size"],
-        mp_size=fitted["mp_size"],
-        precision=fitted["precision"],
+        **{key: fitted[key] for key in same},
         bandwidth=fitted["bus_bandwidth_bytes_per_s"],
         optimizer_s_per_param=fitted["optimizer_s_per_param"] if optimizer else 0.0,
-        tokens_per_sample=fitted["tokens_per_sample"],
     )
 
 
@@ -278,13 +275,10 @@ def replayed_estimates(summary: dict, tmp: Path) -> dict[str, dict[str, float]]:
     measured = _measurements(summary, tmp)
     calibration = _planner(summary).calibrate([m for row, m in measured if row["calibration"]])
     one_point = _planner(summary, optimizer=False).calibrate([measured[0][1]])
+    planners = {"calibration": calibration, "one_point": one_point}
     return {
-        "calibration": {
-            row["name"]: calibration.estimate(_candidate(row)).throughput for row, _ in measured
-        },
-        "one_point": {
-            row["name"]: one_point.estimate(_candidate(row)).throughput for row, _ in measured
-        },
+        key: {row["name"]: p.estimate(_candidate(row)).throughput for row, _ in measured}
+        for key, p in planners.items()
     }
 
 
@@ -469,17 +463,18 @@ def share(means: dict, key: str) -> str:
 
 def summary_table(results: dict, means: dict) -> str:
     """The choice and its speed-up, and the planner's mean error over the trials after calibration."""
-    chosen, default = (
-        render.med(results, "chosen", "throughput"),
-        render.med(results, "default", "throughput"),
-    )
+    chosen = render.med(results, "chosen", "throughput")
+    default = render.med(results, "default", "throughput")
     pairs = zip(render.runs(results, "default"), render.runs(results, "chosen"))
     per_round = ", ".join(f"{c['throughput'] / d['throughput']:.3f}" for d, c in pairs)
+    speeds = f"{render.fmt(chosen, '.1f')} / {render.fmt(default, '.1f')} samples/s"
+    tuner = results["tuner"]
+    loads = [tuner["foreign_cores"], tuner["calibration_load"]]
     rows = [
         ["chosen", results["summary"]["best"]],
         [
             "throughput chosen / default",
-            f"{render.ratio(chosen, default)} ({render.fmt(chosen, '.1f')} / {render.fmt(default, '.1f')} samples/s; per round {per_round})",
+            f"{render.ratio(chosen, default)} ({speeds}; per round {per_round})",
         ],
         [
             f"mean abs throughput error, {means['scored']} trials after calibration",
@@ -490,7 +485,7 @@ def summary_table(results: dict, means: dict) -> str:
         ["mean abs memory error", share(means, "memory")],
         [
             "tuner wall time, other load during it (cores), in calibration windows",
-            f"{results['tuner']['wall_s']:.0f}s, {results['tuner']['foreign_cores']:.2f}, {results['tuner']['calibration_load']:.2f}",
+            f"{tuner['wall_s']:.0f}s, " + ", ".join(f"{x:.2f}" for x in loads),
         ],
     ]
     return render.table(["measure", "value"], rows)
@@ -541,22 +536,13 @@ def missed_table(results: dict) -> str:
     rows = []
     for m in results["missed"]:
         terms = " + ".join(f"{1000 * t:.1f}" for t in m["terms_s"])
-        stages = ", ".join(map(str, m["stages_fitted"]))
-        rows.append(
-            [
-                m["name"],
-                percent(m["error"]),
-                f"{1000 * m['measured_s']:.0f}",
-                f"{1000 * m['estimated_s']:.0f} = {terms}",
-                f"{1000 * m['per_micro_s']:+.2f}",
-                f"{1000 * m['fitted_micro_s']:.2f}",
-                stages,
-            ]
-        )
-    columns = ["trial", "throughput error", "measured ms a step"]
-    columns += ["estimated ms = fwd+bwd + optimizer + communication", "unmodelled ms a micro-step"]
-    columns += ["fitted ms a micro-step", "stages fitted before it"]
-    return render.table(columns, rows, "lrrlrrl")
+        cells = [percent(m["error"]), f"{1000 * m['measured_s']:.0f}"]
+        cells += [f"{1000 * m['estimated_s']:.0f} = {terms}", f"{1000 * m['per_micro_s']:+.2f}"]
+        cells += [f"{1000 * m['fitted_micro_s']:.2f}", ", ".join(map(str, m["stages_fitted"]))]
+        rows.append([m["name"], *cells])
+    columns = "trial | throughput error | measured ms a step | estimated ms = fwd+bwd + optimizer"
+    columns += " + communication | unmodelled ms a micro-step | fitted ms a micro-step"
+    return render.table(columns + " | stages fitted before it", rows, "lrrlrrl")
 
 
 def tables(results: dict) -> dict:

@@ -11,7 +11,6 @@ away (timed), and compare parameters and optimizer state bit for bit with what w
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import pickle
@@ -44,28 +43,6 @@ PAIRS = [(2, "ours_s2", "deepspeed_s2"), (3, "ours_s3", "deepspeed_s3")]
 # Where each ZeRO optimizer keeps this rank's fp32 master tensors: shardspeed, DeepSpeed stage 3,
 # DeepSpeed stages 1-2.
 MASTER_ATTRS = ("masters", "fp32_partitioned_groups_flat", "single_partition_of_fp32_groups")
-
-
-class Windows:
-    """Timed windows (barrier, work, barrier): their wall time, and the machine's busy CPU and
-    this process's CPU over all of them, for the harness's 'other load'."""
-
-    def __init__(self) -> None:
-        self.elapsed = self.busy = self.own = 0.0
-
-    @contextlib.contextmanager
-    def timed(self, into: list):
-        h.barrier()
-        busy0, cpu0, t0 = h.machine_busy_s(), time.process_time(), time.perf_counter()
-        yield
-        h.barrier()
-        into.append(time.perf_counter() - t0)
-        self.elapsed += into[-1]
-        self.busy += h.machine_busy_s() - busy0
-        self.own += time.process_time() - cpu0
-
-    def result(self) -> dict:
-        return {"elapsed_s": self.elapsed, "machine_busy_s": self.busy, "own_cpu_s": self.own}
 
 
 def tag_files(path: Path) -> list[Path]:
@@ -186,7 +163,7 @@ def worker(mode: str, args) -> dict:
     stage = 0 if mode == "ours_reshard" else int(mode[-1])
     result = {"stage": stage, "saves": [], "flushes": [], "loads": [], "bytes": [], "checks": []}
     result |= {"files": [], "content": {}}
-    windows = Windows()
+    windows = h.Window()
     if mode == "ours_reshard":
         reshard_loads(lib, args, root / "ours_s3", windows, result)
     else:
@@ -209,8 +186,9 @@ def save_and_load(libs, args, mode: str, root: Path, windows, result: dict, rank
     ref_params, ref_opt = full_params(lib, engine, rank), optimizer_snapshot(engine)
     for i in range(args.repeats):
         tag = f"bench_r{i}"
-        with windows.timed(result["saves"]):
+        with windows:
             engine.save_checkpoint(str(root), tag=tag)
+        result["saves"].append(windows.last)
         if rank == 0:
             files = tag_files(root / tag)
             result["bytes"].append(sum(f.stat().st_size for f in files))
@@ -225,8 +203,9 @@ def save_and_load(libs, args, mode: str, root: Path, windows, result: dict, rank
             if not args.warm_cache:
                 drop_cached(files)
         fresh, _ = make_engine(name, args, result["stage"], fresh=True)
-        with windows.timed(result["loads"]):
+        with windows:
             path, _client = fresh.load_checkpoint(str(root), tag=tag)
+        result["loads"].append(windows.last)
         if path is None:
             raise RuntimeError(f"load_checkpoint found no checkpoint {tag!r} in {root}")
         check = {"optimizer": compare(ref_opt, optimizer_snapshot(fresh))}
@@ -260,8 +239,9 @@ def reshard_loads(lib, args, root: Path, windows, result: dict) -> None:
         if not args.warm_cache:
             drop_cached(files)
         fresh, result["params"] = make_engine("ours", args, 0, fresh=True)
-        with windows.timed(result["loads"]):
+        with windows:
             fresh.load_checkpoint(str(root), tag=tags[-1].name)
+        result["loads"].append(windows.last)
         loaded = full_params(lib, fresh, 0)
         result["checks"].append(
             {"params": compare(sorted(ref_params.items()), sorted(loaded.items()))}

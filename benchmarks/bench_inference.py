@@ -86,20 +86,15 @@ class Recorder:
 
     def __init__(self) -> None:
         self.data: dict = {}
-        self.busy0 = self.cpu0 = self.t0 = None
+        self.window = h.Window(sync=lambda: None)
 
     def start(self) -> None:
-        self.busy0, self.cpu0, self.t0 = (
-            h.machine_busy_s(),
-            time.process_time(),
-            time.perf_counter(),
-        )
+        self.window.start()
 
     def result(self) -> dict:
-        if self.t0 is not None:
-            self.data["elapsed_s"] = time.perf_counter() - self.t0
-            self.data["machine_busy_s"] = h.machine_busy_s() - self.busy0
-            self.data["own_cpu_s"] = time.process_time() - self.cpu0
+        if hasattr(self.window, "begin"):
+            self.window.stop()
+            self.data |= self.window.result()
         return self.data | {"peak_rss_mib": h.peak_rss_mib()}
 
 
@@ -159,22 +154,30 @@ def hf_kwargs(ids: torch.Tensor, new: int) -> dict:
 
 
 class ForwardClock:
-    """Start times of the model's forwards (a forward pre-hook on the top-level model), to split
-    a generate call into time to first token and per-token decode latency. Every generation loop
-    here runs one forward per new token: the prefill forward (whose logits give token 1), then one
-    decode forward per further token."""
+    """Start, end and input shape (rows, new tokens per row) of every forward of the model (hooks
+    on the top-level model): to split a generate call into time to first token and per-token
+    decode latency, and to time forwards by shape. Every generation loop here runs one forward
+    per new token: the prefill forward (whose logits give token 1), then one decode forward per
+    further token."""
 
     def __init__(self, model) -> None:
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-        model.register_forward_pre_hook(self._pre)
-        model.register_forward_hook(self._post)
+        self.forwards: list[list] = []  # [start, end or None, shape]
+        self.handles = [
+            model.register_forward_pre_hook(self._pre, with_kwargs=True),
+            model.register_forward_hook(self._post),
+        ]
 
-    def _pre(self, _module, _args) -> None:
-        self.starts.append(time.perf_counter())
+    def _pre(self, _module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        shape = tuple(ids.shape) if ids is not None else None
+        self.forwards.append([time.perf_counter(), None, shape])
 
     def _post(self, _module, _args, _out) -> None:
-        self.ends.append(time.perf_counter())
+        self.forwards[-1][1] = time.perf_counter()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
     def timed(self, fn, barrier=None):
         """(result of fn(), timing dict): total, forwards, ttft (call start to the start of the
@@ -182,12 +185,12 @@ class ForwardClock:
         k to the start of k+1, the last to the call's end) and the decode forwards' own time."""
         if barrier:
             barrier()
-        self.starts.clear()
-        self.ends.clear()
+        self.forwards.clear()
         t0 = time.perf_counter()
         out = fn()
         t1 = time.perf_counter()
-        s, e = list(self.starts), list(self.ends)
+        s = [f[0] for f in self.forwards]
+        e = [f[1] for f in self.forwards if f[1] is not None]
         timing = {"total_s": t1 - t0, "forwards": len(s)}
         if len(s) >= 2:
             ends = [*s[2:], t1]
@@ -199,6 +202,19 @@ class ForwardClock:
                 timing["forward_median_s"] = statistics.median(b - a for a, b in zip(s[1:], e[1:]))
                 timing["prefill_forward_s"] = e[0] - s[0]
         return out, timing
+
+    def by_shape(self) -> dict:
+        """Prefill and decode seconds in all, and the median decode forward by rows."""
+        times: dict[tuple[int, int], list[float]] = {}
+        for start, end, shape in self.forwards:
+            times.setdefault(shape, []).append(end - start)
+        decode = {r: v for (r, w), v in sorted(times.items()) if w == 1}
+        return {
+            "prefill_s": sum(sum(v) for (_r, w), v in times.items() if w > 1),
+            "decode_s": sum(sum(v) for v in decode.values()),
+            "decode_by_rows": {str(r): statistics.median(v) for r, v in decode.items()},
+            "n": {str(r): len(v) for r, v in decode.items()},
+        }
 
 
 def failure(e: BaseException) -> dict:
@@ -509,40 +525,6 @@ def int8_kernel_times(small: bool) -> dict:
     return out
 
 
-class ShapeClock:
-    """Duration of every model forward by its shape: (rows, new tokens per row) -> seconds."""
-
-    def __init__(self, model) -> None:
-        self.times: dict[tuple[int, int], list[float]] = {}
-        self._cur: tuple[float, tuple[int, int]] | None = None
-        self.handles = [
-            model.register_forward_pre_hook(self._pre, with_kwargs=True),
-            model.register_forward_hook(self._post),
-        ]
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def _pre(self, _module, args, kwargs) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        self._cur = (time.perf_counter(), tuple(ids.shape))
-
-    def _post(self, _module, _args, _out) -> None:
-        t0, key = self._cur
-        self.times.setdefault(key, []).append(time.perf_counter() - t0)
-
-    def summary(self) -> dict:
-        """Prefill and decode seconds in all, and the median decode forward by rows."""
-        prefill = sum(sum(v) for (_r, w), v in self.times.items() if w > 1)
-        decode = sum(sum(v) for (_r, w), v in self.times.items() if w == 1)
-        by_rows = {
-            str(r): statistics.median(v) for (r, w), v in sorted(self.times.items()) if w == 1
-        }
-        counts = {str(r): len(v) for (r, w), v in sorted(self.times.items()) if w == 1}
-        return {"prefill_s": prefill, "decode_s": decode, "decode_by_rows": by_rows, "n": counts}
-
-
 def worker_batching(args, rec: Recorder) -> None:
     """Part 3: continuous against static batching on the mixed-length workload."""
     import dataclasses
@@ -581,7 +563,7 @@ def worker_batching(args, rec: Recorder) -> None:
                 model, MAX_BATCH, cache_blocks, BLOCK_SIZE, continuous=kind == "continuous"
             )
             ids = [batcher.add_request(p, SamplingParams(max_new_tokens=m)) for p, m in reqs]
-            clock = ShapeClock(model) if rep == 0 else None
+            clock = ForwardClock(model) if rep == 0 else None
             done_at: dict[int, float] = {}
             t0 = time.perf_counter()
             while batcher.has_pending():
@@ -594,7 +576,7 @@ def worker_batching(args, rec: Recorder) -> None:
                     "s": total,
                     "stats": dataclasses.asdict(batcher.stats),
                     "latency_s": [done_at[i] for i in ids],
-                    "forwards": clock.summary() if clock else None,
+                    "forwards": clock.by_shape() if clock else None,
                 }
             )
             if clock:
@@ -630,10 +612,10 @@ def worker_tp(args, rec: Recorder, rank: int, world: int, barrier) -> None:
     """Part 4: batch-1 latency at tensor parallelism `world`, shardspeed then DeepSpeed."""
     import torch.distributed as dist
 
+    from shardspeed.comm import comm_volume, reset_comm_volume
     from shardspeed.inference.engine import init_inference
 
-    sh = shape(args.small)
-    new = sh["new"]
+    new = shape(args.small)["new"]
     ids = prompts(1, 0)  # every rank of the group the same prompt
     impls: dict = {}
     rec.data["impls"] = impls
@@ -656,16 +638,10 @@ def worker_tp(args, rec: Recorder, rank: int, world: int, barrier) -> None:
         try:
             for _ in range(args.warmup):
                 call(4)
-            reset = None
-            if name == "ours":
-                from shardspeed.comm import comm_volume, reset_comm_volume
-
-                reset = reset_comm_volume
             for i in range(args.steps):
-                if reset and i == 0:
-                    reset()
+                reset_comm_volume()  # shardspeed's collectives only: the first call's are kept
                 tokens, timing = clock.timed(lambda: call(new), barrier)
-                if reset and i == 0:
+                if name == "ours" and i == 0:
                     entry["comm"] = comm_volume()
                 entry["runs"].append(timing)
                 entry["tokens"] = tokens
@@ -746,104 +722,62 @@ def med(xs):
     return statistics.median(xs) if xs else None
 
 
-def zero3_rows(runs: dict, world: int = 2) -> list[dict]:
-    """Per batch size: naive and hybrid tokens/s (both ranks together)."""
-    sh = sizes(runs)
-    new = sh["new"]
-    z, z2, ds = data_of(runs, "zero3"), data_of(runs, "zero3_tp2"), data_of(runs, "deepspeed_zero3")
-    rows = []
-    for b in sh["batches"]:
-        tokens = world * b * new
-        row: dict = {"batch": b}
-        zb = (z or {}).get("batches", {}).get(str(b), {})
-        if "naive" in zb:
-            row["naive_tps"] = tokens / zb["naive"]["s"]
-            row["naive_gather_calls"] = zb["naive"]["gather_calls"]
-            row["naive_gather_mib"] = zb["naive"]["gather_bytes"] / MIB
-        if "hybrid_first" in zb:
-            row["first_s"] = zb["hybrid_first"]["s"]
-            row["first_gather_s"] = zb["hybrid_first"]["gather_s"]
-            row["first_built"] = zb["hybrid_first"]["built"]
-            row["first_gather_mib"] = zb["hybrid_first"]["gather_bytes"] / MIB
-            steady = [r["s"] for r in zb["hybrid_steady"]]
-            row["steady_tps"] = tokens / med(steady) if steady else None
-            row["steady_gather_calls"] = sum(r["gather_calls"] for r in zb["hybrid_steady"])
-            row["identical"] = zb.get("identical")
-            row["rows_identical"] = zb.get("rows_identical")
-            # Identity on every rank: each rank generated its own prompts.
-            ranks = [r.get("batches", {}).get(str(b), {}) for r in rank_data(runs, "zero3")]
-            if ranks:
-                row["identical_all_ranks"] = all(x.get("identical") for x in ranks)
-        z2b = (z2 or {}).get("batches", {}).get(str(b), {})
-        if "hybrid_first" in z2b:
-            row["tp2_first_s"] = z2b["hybrid_first"]["s"]
-            row["tp2_gather_s"] = z2b["hybrid_first"]["gather_s"]
-            steady = [r["s"] for r in z2b["hybrid_steady"]]
-            row["tp2_steady_tps"] = tokens / med(steady) if steady else None
-            pairs = list(zip(rank_data(runs, "zero3"), rank_data(runs, "zero3_tp2")))
-            if pairs:
-                row["tp2_identical"] = all(
-                    a.get("batches", {}).get(str(b), {}).get("naive_tokens")
-                    == c.get("batches", {}).get(str(b), {}).get("hybrid_tokens")
-                    for a, c in pairs
-                )
-        dsn = (ds or {}).get("naive")
-        if isinstance(dsn, dict) and str(b) in dsn:
-            row["ds_naive_tps"] = tokens / dsn[str(b)]["s"]
-            ours_naive = zb.get("naive_tokens")
-            if ours_naive is not None:
-                row["ds_naive_identical"] = dsn[str(b)]["tokens"] == ours_naive
-        if row.get("naive_tps") and row.get("steady_tps"):
-            row["speedup"] = row["steady_tps"] / row["naive_tps"]
-        if row.get("naive_tps") and row.get("tp2_steady_tps"):
-            row["tp2_speedup"] = row["tp2_steady_tps"] / row["naive_tps"]
-        rows.append(row)
-    return rows
-
-
 def yes_no(x) -> str:
     return "-" if x is None else ("yes" if x else "NO")
 
 
-def ds_cell(r: dict) -> str:
-    if not r.get("ds_naive_tps"):
-        return "-"
-    same = r.get("ds_naive_identical")
-    tail = "" if same is None else f" (tokens {'the same as' if same else 'DIFFER from'} ours)"
-    return f"{r['ds_naive_tps']:.1f}{tail}"
+def zero3_table(runs: dict, world: int = 2) -> str:
+    """Per batch size: naive and hybrid tokens/s (both ranks together)."""
+    sh, out = sizes(runs), []
+    ds_naive = (data_of(runs, "deepspeed_zero3") or {}).get("naive")
 
+    def batch(data: dict | None, b: int) -> dict:
+        return (data or {}).get("batches", {}).get(str(b), {})
 
-def zero3_table(rows: list[dict]) -> str:
-    lines = [
-        "| batch per rank | naive (ZeRO-3 hooks) tok/s | hybrid first call (s; copy built in) "
-        "| hybrid steady tok/s | speedup (target >= 5x) | identical to naive "
-        "| hybrid inference_tp_size 2: first call (s) / steady tok/s / vs naive / identical "
-        "| DeepSpeed ZeRO-3 naive tok/s |",
-        "|---:|---:|---|---:|---:|---|---|---:|",
-    ]
-    for r in rows:
-        first = (
-            f"{r['first_s']:.2f} ({r['first_gather_s']:.2f} building the copy)"
-            if r.get("first_built")
-            else (f"{r['first_s']:.2f} (copy already built)" if "first_s" in r else "-")
-        )
-        sp = r.get("speedup")
-        verdict = "-" if sp is None else f"{sp:.2f}x {'met' if sp >= 5 else 'MISSED'}"
-        tp2 = "-"
-        if r.get("tp2_steady_tps"):
-            tp2 = (
-                f"{r['tp2_first_s']:.2f} / {r['tp2_steady_tps']:.1f} / "
-                f"{fmt(r.get('tp2_speedup'), '.2f')}x / {yes_no(r.get('tp2_identical'))}"
+    def steady_tps(part: dict, tokens: int) -> float | None:
+        steady = [r["s"] for r in part["hybrid_steady"]]
+        return tokens / med(steady) if steady else None
+
+    for b in sh["batches"]:
+        tokens = world * b * sh["new"]
+        zb, z2b = batch(data_of(runs, "zero3"), b), batch(data_of(runs, "zero3_tp2"), b)
+        naive = tokens / zb["naive"]["s"] if "naive" in zb else None
+        first, steady, verdict, ident, tp2, ds = "-", None, "-", None, "-", "-"
+        if "hybrid_first" in zb:
+            f = zb["hybrid_first"]
+            first = f"{f['s']:.2f} " + (
+                f"({f['gather_s']:.2f} building the copy)" if f["built"] else "(copy already built)"
             )
-        ident = yes_no(r.get("identical_all_ranks", r.get("identical")))
-        lines.append(
-            f"| {r['batch']} | {fmt(r.get('naive_tps'), '.1f')} | {first} "
-            f"| {fmt(r.get('steady_tps'), '.1f')} | {verdict} | {ident} | {tp2} "
-            f"| {ds_cell(r)} |"
-        )
-    return "\n".join(lines)
+            steady = steady_tps(zb, tokens)
+            if naive and steady:
+                verdict = f"{steady / naive:.2f}x {'met' if steady / naive >= 5 else 'MISSED'}"
+            # Identity on every rank: each rank generated its own prompts.
+            ranks = [batch(r, b) for r in rank_data(runs, "zero3")]
+            ident = all(x.get("identical") for x in ranks) if ranks else zb.get("identical")
+        if "hybrid_first" in z2b and (tp2_tps := steady_tps(z2b, tokens)):
+            pairs = list(zip(rank_data(runs, "zero3"), rank_data(runs, "zero3_tp2")))
+            same = [
+                batch(a, b).get("naive_tokens") == batch(c, b).get("hybrid_tokens")
+                for a, c in pairs
+            ]
+            tp2 = f"{z2b['hybrid_first']['s']:.2f} / {tp2_tps:.1f} / "
+            tp2 += (
+                f"{fmt(naive and tp2_tps / naive, '.2f')}x / {yes_no(all(same) if pairs else None)}"
+            )
+        if isinstance(ds_naive, dict) and str(b) in ds_naive:
+            ds = f"{tokens / ds_naive[str(b)]['s']:.1f}"
+            if zb.get("naive_tokens") is not None:
+                same = ds_naive[str(b)]["tokens"] == zb["naive_tokens"]
+                ds += f" (tokens {'the same as' if same else 'DIFFER from'} ours)"
+        cells = [fmt(naive, ".1f"), first, fmt(steady, ".1f"), verdict, yes_no(ident), tp2, ds]
+        out.append([b, *cells])
+    head = "batch per rank | naive (ZeRO-3 hooks) tok/s | hybrid first call (s; copy built in)"
+    head += " | hybrid steady tok/s | speedup (target >= 5x) | identical to naive | hybrid"
+    head += " inference_tp_size 2: first call (s) / steady tok/s / vs naive / identical"
+    return render.table(head + " | DeepSpeed ZeRO-3 naive tok/s", out, "rrlrrllr")
 
 
+TIMING_KEYS = ("ttft_s", "decode_median_s", "forward_median_s")
 METHOD_LABELS = {
     "hf": "Hugging Face `model.generate` (its own KV cache)",
     "engine": "shardspeed `init_inference(model, dtype=torch.float32).generate` (HF form)",
@@ -854,129 +788,61 @@ METHOD_LABELS = {
 }
 
 
-def single_rows(runs: dict) -> list[dict]:
+def single_table(runs: dict) -> str:
     sh = sizes(runs)
-    d = data_of(runs, "single") or {}
-    methods = d.get("methods", {})
-    ref = methods.get("hf", {}).get("tokens", {})
-    rows = []
-    for name in METHOD_LABELS:
-        m = methods.get(name)
-        if m is None:
-            rows.append({"name": name, "error": "not run"})
-            continue
+    methods = (data_of(runs, "single") or {}).get("methods", {})
+    ref, hf_tps, out = methods.get("hf", {}).get("tokens", {}), {}, []
+    for name, label in METHOD_LABELS.items():  # hf first: the others' reference
+        m = methods.get(name) or {"error": "not run"}
         if "error" in m:
-            row = {"name": name, "error": m["error"], "where": m.get("where")}
-            if "weight_bytes" in m:
-                row["weight_mib"] = m["weight_bytes"] / MIB
-            rows.append(row)
+            error = f"error: `{m['error']}` (at {m.get('where')})"
+            mem = fmt(m["weight_bytes"] / MIB if "weight_bytes" in m else None, ".1f")
+            out.append([label, "-", error, "-", "-", "-", "-", mem, "-"])
             continue
         for b in sh["batches"]:
             rr = m["runs"].get(str(b), [])
             if not rr:
                 continue
-            total = med([r["total_s"] for r in rr])
-            row = {
-                "name": name,
-                "batch": b,
-                "tps": b * sh["new"] / total,
-                "ttft": med([r.get("ttft_s") for r in rr]),
-                "decode": med([r.get("decode_median_s") for r in rr]),
-                "forward": med([r.get("forward_median_s") for r in rr]),
-                "weight_mib": m["weight_bytes"] / MIB,
-                "n": len(rr),
-            }
+            tps = b * sh["new"] / med([r["total_s"] for r in rr])
+            hf_tps.setdefault(b, tps if name == "hf" else None)
+            same = "-"
             toks, want = m.get("tokens", {}).get(str(b)), ref.get(str(b))
             if toks is not None and want is not None:
                 flat = [(x, y) for a, c in zip(toks, want) for x, y in zip(a, c)]
-                row["agree"] = sum(x == y for x, y in flat) / len(flat)
-                row["identical"] = toks == want
-            rows.append(row)
-    hf = {r["batch"]: r["tps"] for r in rows if r["name"] == "hf" and "tps" in r}
-    for r in rows:
-        if "tps" in r and hf.get(r["batch"]):
-            r["vs_hf"] = r["tps"] / hf[r["batch"]]
-    return rows
+                agree = sum(x == y for x, y in flat) / len(flat)
+                same = "yes (identical)" if toks == want else f"{100 * agree:.1f}% of tokens"
+            vs_hf = fmt(hf_tps[b] and tps / hf_tps[b], ".2f")
+            cells = [f"{tps:.1f}", f"{vs_hf}x"]
+            cells += [ms(med([r.get(k) for r in rr])) for k in TIMING_KEYS]
+            out.append([label, b, *cells, f"{m['weight_bytes'] / MIB:.1f}", same])
+    head = "generation path | batch | tokens/s | vs HF | time to first token (ms)"
+    head += " | decode ms/token (median) | of which the model forward (ms) | weight memory (MiB)"
+    return render.table(head + " | same tokens as HF", out, "lrrrrrrrl")
 
 
-def single_table(rows: list[dict]) -> str:
-    lines = [
-        "| generation path | batch | tokens/s | vs HF | time to first token (ms) "
-        "| decode ms/token (median) | of which the model forward (ms) | weight memory (MiB) "
-        "| same tokens as HF |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        label = METHOD_LABELS[r["name"]]
-        if "error" in r:
-            mem = fmt(r.get("weight_mib"), ".1f")
-            lines.append(
-                f"| {label} | - | error: `{r['error']}` (at {r.get('where')}) | - | - | - | - "
-                f"| {mem} | - |"
-            )
-            continue
-        same = (
-            "yes (identical)"
-            if r.get("identical")
-            else ("-" if "agree" not in r else f"{100 * r['agree']:.1f}% of tokens")
-        )
-        lines.append(
-            f"| {label} | {r['batch']} | {r['tps']:.1f} | {fmt(r.get('vs_hf'), '.2f')}x "
-            f"| {ms(r['ttft'])} | {ms(r['decode'])} | {ms(r['forward'])} | {r['weight_mib']:.1f} "
-            f"| {same} |"
-        )
-    return "\n".join(lines)
+def batching_runs(runs: dict) -> dict[str, list[dict]]:
+    """The batching run's repetitions by kind (continuous, static), the kinds that ran."""
+    by_kind = (data_of(runs, "batching") or {}).get("runs", {})
+    return {kind: by_kind[kind] for kind in ("continuous", "static") if by_kind.get(kind)}
 
 
-def batching_rows(runs: dict) -> tuple[list[dict], dict]:
-    d = data_of(runs, "batching") or {}
-    rows = []
-    n = d.get("workload", {}).get("requests", 0)
-    for kind in ("continuous", "static"):
-        rr = d.get("runs", {}).get(kind, [])
-        if not rr:
-            continue
-        st = rr[0]["stats"]
-        total = med([r["s"] for r in rr])
-        decode_tokens = st["tokens_generated"] - n
-        lat = sorted(rr[0]["latency_s"])
-        rows.append(
-            {
-                "kind": kind,
-                "s": total,
-                "all_s": [r["s"] for r in rr],
-                "tps": st["tokens_generated"] / total,
-                "steps": st["steps"],
-                "decode_steps": st["decode_steps"],
-                "occupancy": decode_tokens / st["decode_steps"] if st["decode_steps"] else None,
-                "peak_batch": st["peak_batch_size"],
-                "joined": st["joined_while_running"],
-                "peak_blocks": st["peak_blocks_in_use"],
-                "tokens": st["tokens_generated"],
-                "lat_mean": statistics.mean(lat),
-                "lat_p50": lat[len(lat) // 2],
-                "lat_max": lat[-1],
-                "forwards": rr[0].get("forwards"),
-            }
-        )
-    return rows, d
-
-
-def batching_table(rows: list[dict], d: dict) -> str:
-    lines = [
-        "| batching | total time (s) | tokens/s | steps | decode forwards | mean batch occupancy "
-        "(of 8) | requests joined a running batch | peak KV blocks in use | request completion "
-        "time mean / median / last (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['kind']} | {r['s']:.2f} ({', '.join(f'{x:.2f}' for x in r['all_s'])}) "
-            f"| {r['tps']:.1f} | {r['steps']} | {r['decode_steps']} | {fmt(r['occupancy'], '.2f')} "
-            f"| {r['joined']} | {r['peak_blocks']} of {d['workload']['cache_blocks']} "
-            f"| {r['lat_mean']:.2f} / {r['lat_p50']:.2f} / {r['lat_max']:.2f} |"
-        )
-    return "\n".join(lines)
+def batching_table(runs: dict) -> str:
+    workload, out = (data_of(runs, "batching") or {}).get("workload"), []
+    for kind, rr in batching_runs(runs).items():
+        st, seconds = rr[0]["stats"], [r["s"] for r in rr]
+        total, lat = med(seconds), sorted(rr[0]["latency_s"])
+        # Tokens from decode forwards: every token but each request's first (its prefill's).
+        decoded = st["tokens_generated"] - workload["requests"]
+        occupancy = decoded / st["decode_steps"] if st["decode_steps"] else None
+        cells = [f"{total:.2f} ({', '.join(f'{x:.2f}' for x in seconds)})"]
+        cells += [f"{st['tokens_generated'] / total:.1f}", st["steps"], st["decode_steps"]]
+        cells += [fmt(occupancy, ".2f"), st["joined_while_running"]]
+        cells.append(f"{st['peak_blocks_in_use']} of {workload['cache_blocks']}")
+        latency = f"{statistics.mean(lat):.2f} / {lat[len(lat) // 2]:.2f} / {lat[-1]:.2f}"
+        out.append([kind, *cells, latency])
+    head = "batching | total time (s) | tokens/s | steps | decode forwards | mean batch occupancy"
+    head += " (of 8) | requests joined a running batch | peak KV blocks in use | request"
+    return render.table(head + " completion time mean / median / last (s)", out, "lrrrrrrrl")
 
 
 TP_LABELS = {
@@ -989,75 +855,36 @@ TP_LABELS = {
 TP_RUNS = (("tp1", 1, 1), ("tp2", 2, 1), ("tp1_2threads", 1, 2))
 
 
-def tp_rows(runs: dict) -> list[dict]:
-    sh = sizes(runs)
-    rows = []
-    base: dict = {}
-    for key, tp, threads in TP_RUNS:
-        d = data_of(runs, key)
-        if d is None:
-            continue
-        for impl, e in d.get("impls", {}).items():
-            row = {"key": key, "tp": tp, "threads": threads, "impl": impl}
+def tp_table(runs: dict) -> str:
+    """Batch-1 latency per implementation and tp; speed-ups and tokens against tp 1 (the same
+    implementation's, else shardspeed's)."""
+    out, base = [], {}
+    for key, tp, threads in TP_RUNS:  # tp1 first: the others' reference
+        for impl, e in ((data_of(runs, key) or {}).get("impls") or {}).items():
+            head = [TP_LABELS.get(impl, impl), tp, f"{tp} x {threads}"]
             if "error" in e:
-                row.update(error=e["error"], where=e.get("where"))
-            elif e.get("runs"):
-                rr = e["runs"]
-                row.update(
-                    ttft=med([r.get("ttft_s") for r in rr]),
-                    decode=med([r.get("decode_median_s") for r in rr]),
-                    forward=med([r.get("forward_median_s") for r in rr]),
-                    tps=sh["new"] / med([r["total_s"] for r in rr]),
-                    weight_mib=e["weight_bytes"] / MIB,
-                    tokens=e.get("tokens"),
-                )
-                ar = e.get("comm", {}).get("all_reduce")
-                if ar and ar["calls"]:
-                    row["allreduce_calls_per_token"] = ar["calls"] / sh["new"]
-                if key == "tp1":
-                    base[impl] = row
-            else:
+                out.append([*head, f"error: `{e['error']}` (at {e.get('where')})", *["-"] * 6])
                 continue
-            rows.append(row)
-    for r in rows:
-        b = base.get(r["impl"]) or base.get("ours")
-        if b and "decode" in r and r["decode"] and b.get("decode"):
-            r["decode_vs_tp1"] = b["decode"] / r["decode"]
-            r["ttft_vs_tp1"] = b["ttft"] / r["ttft"]
-        if b and r.get("tokens") is not None and b.get("tokens") is not None:
-            r["same_as_tp1"] = r["tokens"] == b["tokens"]
-    return rows
-
-
-def tp_table(rows: list[dict]) -> str:
-    lines = [
-        "| implementation | tp | processes x threads | time to first token (ms) "
-        "| decode ms/token (median) | of which the model forward (ms) "
-        "| speedup over tp 1 (first token / decode) | tokens/s | weight memory per rank (MiB) "
-        "| same tokens as tp 1 |",
-        "|---|---:|---|---:|---:|---:|---|---:|---:|---|",
-    ]
-    for r in rows:
-        label = TP_LABELS.get(r["impl"], r["impl"])
-        procs = f"{r['tp']} x {r['threads']}"
-        if "error" in r:
-            lines.append(
-                f"| {label} | {r['tp']} | {procs} | error: `{r['error']}` (at {r.get('where')}) "
-                "| - | - | - | - | - | - |"
-            )
-            continue
-        sp = (
-            "-"
-            if r["key"] == "tp1"
-            else f"{fmt(r.get('ttft_vs_tp1'), '.2f')}x / {fmt(r.get('decode_vs_tp1'), '.2f')}x"
-        )
-        same = "-" if r["key"] == "tp1" else yes_no(r.get("same_as_tp1"))
-        lines.append(
-            f"| {label} | {r['tp']} | {procs} | {ms(r['ttft'])} | {ms(r['decode'])} "
-            f"| {ms(r.get('forward'))} | {sp} "
-            f"| {r['tps']:.1f} | {r['weight_mib']:.1f} | {same} |"
-        )
-    return "\n".join(lines)
+            if not e.get("runs"):
+                continue
+            ttft, decode, forward = (med([r.get(k) for r in e["runs"]]) for k in TIMING_KEYS)
+            tps = sizes(runs)["new"] / med([r["total_s"] for r in e["runs"]])
+            row = {"ttft": ttft, "decode": decode, "tokens": e.get("tokens")}
+            if key == "tp1":
+                base[impl] = row
+            b, sp, same = base.get(impl) or base.get("ours"), "-", "-"
+            if key != "tp1":
+                up = b and decode and b["decode"]
+                ratios = [up and b["ttft"] / ttft, up and b["decode"] / decode]
+                sp = " / ".join(f"{fmt(x, '.2f')}x" for x in ratios)
+                known = b and row["tokens"] is not None and b["tokens"] is not None
+                same = yes_no(row["tokens"] == b["tokens"] if known else None)
+            cells = [ms(ttft), ms(decode), ms(forward), sp, f"{tps:.1f}"]
+            out.append([*head, *cells, f"{e['weight_bytes'] / MIB:.1f}", same])
+    head = "implementation | tp | processes x threads | time to first token (ms) | decode"
+    head += " ms/token (median) | of which the model forward (ms) | speedup over tp 1 (first"
+    head += " token / decode) | tokens/s | weight memory per rank (MiB) | same tokens as tp 1"
+    return render.table(head, out, "lrlrrrlrrl")
 
 
 def gather_table(runs: dict) -> str:
@@ -1095,11 +922,11 @@ def version_table(runs: dict) -> str:
 def decode_rows_table(runs: dict) -> str:
     """Batching's decode forwards: median ms by rows in the batch, and their total seconds."""
     rows = []
-    for r in batching_rows(runs)[0]:
-        f = r["forwards"] or {}
+    for kind, rr in batching_runs(runs).items():
+        f = rr[0].get("forwards") or {}
         by = ", ".join(f"{k}: {1000 * v:.1f}" for k, v in f.get("decode_by_rows", {}).items())
         cells = [fmt(f.get("decode_s"), ".2f"), fmt(f.get("prefill_s"), ".2f"), by]
-        rows.append([r["kind"], *cells])
+        rows.append([kind, *cells])
     head = ["batching", "decode forwards (s, all)", "prefill forwards (s, all)"]
     return render.table([*head, "median decode forward ms by rows"], rows, "lrrl")
 
@@ -1130,14 +957,14 @@ def tables(results: dict) -> dict:
     if not any(runs.values()):
         return {"runs": runs_table(results)}
     out = {
-        "zero3": zero3_table(zero3_rows(runs)),
+        "zero3": zero3_table(runs),
         "gathers": gather_table(runs),
         "versions": version_table(runs),
-        "single": single_table(single_rows(runs)),
+        "single": single_table(runs),
         "kernel": kernel_table(runs),
-        "batching": batching_table(*batching_rows(runs)),
+        "batching": batching_table(runs),
         "decode-rows": decode_rows_table(runs),
-        "tp": tp_table(tp_rows(runs)),
+        "tp": tp_table(runs),
         "runs": runs_table(results),
         "run": render.run_line(results),
     }

@@ -49,6 +49,8 @@ SCENARIO = h.Scenario(
     ],
 )
 REDUCTIONS = ("all_reduce", "reduce_scatter_tensor", "reduce")
+STATES_HEADER = "model states (MiB, rank 0 / 1): total (parameters + gradients + fp32 master copies"
+STATES_HEADER += " + optimizer states)"
 
 
 def moe_block(lib: str, ep: int, ep_rank: int):
@@ -128,15 +130,12 @@ def expert_load(lib: str, engine, layers, tokens: int) -> list:
     import torch
     import torch.distributed as dist
 
+    def imbalance(counts) -> float:
+        return (counts.float().max() / counts.float().mean()).item()
+
     if lib == "ours":
-        return [
-            [
-                v["imbalance"],
-                (v["exp_counts"].float().max() / v["exp_counts"].float().mean()).item(),
-                float(v["dropped"]),
-            ]
-            for v in engine.expert_load(over_data_parallel=True).values()
-        ]
+        loads = engine.expert_load(over_data_parallel=True).values()
+        return [[v["imbalance"], imbalance(v["exp_counts"]), float(v["dropped"])] for v in loads]
     if lib == "deepspeed":
         capacity = max(math.ceil(tokens / NUM_EXPERTS * CAPACITY_FACTOR), MIN_CAPACITY)
         pairs = [
@@ -149,14 +148,7 @@ def expert_load(lib: str, engine, layers, tokens: int) -> list:
         ]
     counts = torch.stack([torch.stack([a, b]) for a, b in pairs]).to(torch.int64)
     dist.all_reduce(counts)
-    return [
-        [
-            (k.float().max() / k.float().mean()).item(),
-            (d.float().max() / d.float().mean()).item(),
-            (d.sum() - k.sum()).item(),
-        ]
-        for d, k in counts
-    ]
+    return [[imbalance(k), imbalance(d), (d.sum() - k.sum()).item()] for d, k in counts]
 
 
 def census(lib: str, stage, handle, model, params) -> dict:
@@ -175,12 +167,11 @@ def census(lib: str, stage, handle, model, params) -> dict:
 
 
 def worker(mode: str, args) -> dict:
-    import torch
     import torch.distributed as dist
 
     lib, ep, stage = MODES[mode]
     comm = h.CommCounter(dist)  # before shardspeed or DeepSpeed binds any collective
-    rank, world = h.setup(args.threads)
+    rank, _world = h.setup(args.threads)
     if lib == "deepspeed":
         h.library("deepspeed").init_distributed(dist_backend="gloo")
     n = args.warmup + args.steps
@@ -193,23 +184,16 @@ def worker(mode: str, args) -> dict:
     expert_t = ForwardTimer(m.deepspeed_moe.experts for m in layers)
     rec = {"times": [], "loads": [], "losses": []}
 
+    def clocks() -> tuple:
+        a2a = comm.seconds["all_to_all_single"]
+        return moe_t.seconds, expert_t.seconds, a2a, moe_t.inner_seconds
+
     def step(x, y):
-        t0 = (
-            moe_t.seconds,
-            expert_t.seconds,
-            comm.seconds["all_to_all_single"],
-            moe_t.inner_seconds,
-        )
+        t0 = clocks()
         loss = forward(x, y)
         backward(loss)
         update()
-        t1 = (
-            moe_t.seconds,
-            expert_t.seconds,
-            comm.seconds["all_to_all_single"],
-            moe_t.inner_seconds,
-        )
-        rec["times"].append([1000 * (b - a) for a, b in zip(t0, t1)])
+        rec["times"].append([1000 * (b - a) for a, b in zip(t0, clocks())])
         rec["loads"].append(expert_load(lib, engine, layers, 8 * h.SEQ))
         rec["losses"].append(loss.detach())
         return loss
@@ -227,17 +211,12 @@ def worker(mode: str, args) -> dict:
     states = census(lib, stage, engine, model, params)
     update()
     comm.active = False
-    losses = torch.stack(rec["losses"][:n]).float()
-    dist.all_reduce(losses)
-    losses /= world
     expert_local = h.local_numel(
         p for name, p in model.named_parameters() if "deepspeed_experts" in name
     )
     return result | {
         "comm": comm.snapshot(),
-        "losses": losses.tolist(),
-        "first_loss": losses[0].item(),
-        "last_loss": losses[-1].item(),
+        **h.loss_curve(rec["losses"][:n]),
         "model_states": states,
         "params_local": h.local_numel(params),
         "expert_params_local": expert_local,
@@ -254,109 +233,73 @@ def twin(mode: str) -> str | None:
 
 
 def throughput_table(results: dict) -> str:
-    base = {b: render.med(results, b) for b in ("ddp", "fsdp2", "ours_dp")}
-    rows = [
-        [
-            mode,
-            render.fmt(tps),
-            render.fmt(render.med(results, mode, "step_ms")),
-            *(render.ratio(tps, base[b]) for b in base),
-            render.ratio(tps, twin(mode) and render.med(results, twin(mode))),
-        ]
-        for mode in results["runs"]
-        if (tps := render.med(results, mode))
-    ]
-    return render.table(
-        [
-            "mode",
-            "tokens/s (median)",
-            "ms/step",
-            "/ DDP",
-            "/ FSDP2",
-            "/ shardspeed DP",
-            "/ DeepSpeed (same ep, stage)",
-        ],
-        rows,
-        "lrrrrrr",
-    )
+    bases = {"DDP": "ddp", "FSDP2": "fsdp2", "shardspeed DP": "ours_dp"}
+    bases["DeepSpeed (same ep, stage)"] = twin
+    spec = [("mode", "l", str), *render.speed_columns(results, bases)]
+    return render.columns(spec, [m for m in results["runs"] if render.med(results, m)])
 
 
 def memory_table(results: dict) -> str:
-    rows, mib = [], render.MIB
-    for mode in results["runs"]:
-        if not render.runs(results, mode):
-            continue
+    mib = render.MIB
 
-        def vals(fn, mode=mode):
-            return render.per_rank(results, mode, fn)
+    def ranks(mode, fn):
+        return render.per_rank(results, mode, fn)
 
-        params = vals(lambda r: r["params_local"])
+    def states(mode: str) -> str:
         parts = [
-            render.slash([v / mib for v in vals(lambda r, k=k: r["model_states"][k])])
+            render.slash([v / mib for v in ranks(mode, lambda r, k=k: r["model_states"][k])])
             for k in h.STATE_KINDS
         ]
-        total = [
-            sum(r["model_states"][k] for k in h.STATE_KINDS)
-            for r in render.runs(results, mode)[0]["ranks"]
-        ]
-        breakdown = vals(lambda r: r["model_states"].get("breakdown_total", 0))
-        rows.append(
-            [
-                mode,
-                " / ".join(f"{p / 1e6:.2f}M" for p in params),
-                " / ".join(f"{p / 1e6:.2f}M" for p in vals(lambda r: r["expert_params_local"])),
-                render.slash([4 * p / mib for p in params]),
-                f"{render.slash([t / mib for t in total])} ({' + '.join(parts)})",
-                render.slash([b / mib for b in breakdown]) if any(breakdown) else "-",
-                render.slash(
-                    render.per_rank(results, mode, lambda r: r["peak_rss_mib"], max), ".0f"
-                ),
-                render.slash(vals(lambda r: r["rss_growth_mib"]), ".0f"),
-            ]
-        )
-    return render.table(
-        [
-            "mode",
-            "parameters per rank (rank 0 / 1)",
-            "of which expert parameters",
-            "parameter bytes (MiB)",
-            "model states (MiB, rank 0 / 1): total "
-            "(parameters + gradients + fp32 master copies + optimizer states)",
-            "`memory_breakdown()` total (MiB)",
-            "peak RSS per rank (MiB)",
-            "RSS growth in training (MiB)",
-        ],
-        rows,
-    )
+        first = render.runs(results, mode)[0]["ranks"]
+        total = [sum(r["model_states"][k] for k in h.STATE_KINDS) for r in first]
+        return f"{render.slash([t / mib for t in total])} ({' + '.join(parts)})"
+
+    def breakdown(mode: str) -> str:
+        values = ranks(mode, lambda r: r["model_states"].get("breakdown_total", 0))
+        return render.slash([b / mib for b in values]) if any(values) else "-"
+
+    def experts(mode: str) -> str:
+        return render.millions(results, mode, "expert_params_local")
+
+    def param_mib(mode: str) -> str:
+        return render.slash([4 * p / mib for p in ranks(mode, lambda r: r["params_local"])])
+
+    spec = [
+        ("mode", "l", str),
+        ("parameters per rank (rank 0 / 1)", "l", lambda m: render.millions(results, m)),
+        ("of which expert parameters", "l", experts),
+        ("parameter bytes (MiB)", "l", param_mib),
+        (STATES_HEADER, "l", states),
+        ("`memory_breakdown()` total (MiB)", "l", breakdown),
+    ]
+    return render.columns(spec + render.rss_columns(results), render.measured(results))
 
 
 def comm_load_table(results: dict) -> str:
-    rows, mib = [], render.MIB
-    for mode, rs in results["runs"].items():
-        if not rs:
-            continue
+    mib = render.MIB
+
+    def row(mode: str, rs: list) -> list:
         r0 = rs[0]["ranks"][0]
         calls, nbytes = r0["comm"]["calls"], r0["comm"]["bytes"]
         vol = (r0.get("comm_volume") or {}).get("all_to_all")
         a2a = (
-            f"{vol['calls']} x, {vol['bytes'] / mib:.1f} (comm_volume)"
-            if vol is not None
-            else f"{calls.get('all_to_all_single', 0)} x, {nbytes.get('all_to_all_single', 0) / mib:.1f}"
+            f"{calls.get('all_to_all_single', 0)} x, {nbytes.get('all_to_all_single', 0) / mib:.1f}"
         )
-        red = f"{sum(nbytes.get(n, 0) for n in REDUCTIONS) / mib:.1f} ({sum(calls.get(n, 0) for n in REDUCTIONS)} calls)"
+        if vol is not None:
+            a2a = f"{vol['calls']} x, {vol['bytes'] / mib:.1f} (comm_volume)"
+        reduced = sum(nbytes.get(n, 0) for n in REDUCTIONS) / mib
+        red = f"{reduced:.1f} ({sum(calls.get(n, 0) for n in REDUCTIONS)} calls)"
         alone = [n for n in calls if n.endswith("@1")]
         if alone:
-            red += (
-                f"; plus {sum(nbytes[n] for n in alone) / mib:.1f} MiB in "
-                f"{sum(calls[n] for n in alone)} calls over 1-rank groups"
-            )
+            red += f"; plus {sum(nbytes[n] for n in alone) / mib:.1f} MiB in "
+            red += f"{sum(calls[n] for n in alone)} calls over 1-rank groups"
         if MODES[mode][0] == "ddp":
             red = f"{4 * r0['params_local'] / mib:.1f} (computed: DDP reduces in C++, not seen)"
-        rest = {
-            n: calls[n]
-            for n in calls
-            if n not in (*REDUCTIONS, "all_to_all_single") and n not in alone
-        }
+        seen = (*REDUCTIONS, "all_to_all_single", *alone)
+        rest = {n: calls[n] for n in calls if n not in seen}
+        other = render.comm_text(rest, {n: nbytes[n] for n in rest}) if rest else "-"
+        # Per run, the mean over timed steps of: the largest imbalance and router demand
+        # imbalance over layers, and the tokens dropped in all layers; then the median over runs.
         stats = [
             [
                 statistics.fmean(
@@ -367,69 +310,35 @@ def comm_load_table(results: dict) -> str:
             ]
             for run in rs
         ]
-        rows.append(
-            [
-                mode,
-                a2a,
-                red,
-                render.comm_text(rest, {n: nbytes[n] for n in rest}) if rest else "-",
-                *(
-                    f"{statistics.median(s[i] for s in stats):{f}}"
-                    for i, f in enumerate((".2f", ".2f", ".0f"))
-                ),
-                f"{rs[0]['first_loss']:.6f}",
-            ]
-        )
-    return render.table(
-        [
-            "mode",
-            "all-to-all per step (calls, MiB, per rank)",
-            "gradient reduction per step (all-reduce, reduce-scatter, reduce; MiB per rank)",
-            "other collectives",
-            "imbalance, max over layers (mean over steps)",
-            "router demand imbalance",
-            f"tokens dropped per step (of {N_BLOCKS} x 2048)",
-            "first-step loss",
-        ],
-        rows,
-        "llllrrrr",
-    )
+        loads = [statistics.median(s[i] for s in stats) for i in range(3)]
+        load_cells = [f"{v:{f}}" for v, f in zip(loads, (".2f", ".2f", ".0f"))]
+        return [mode, a2a, red, other, *load_cells, f"{rs[0]['first_loss']:.6f}"]
+
+    rows = [row(mode, rs) for mode, rs in results["runs"].items() if rs]
+    head = "mode | all-to-all per step (calls, MiB, per rank) | gradient reduction per step"
+    head += " (all-reduce, reduce-scatter, reduce; MiB per rank) | other collectives | imbalance,"
+    head += " max over layers (mean over steps) | router demand imbalance | tokens dropped per step"
+    head += f" (of {N_BLOCKS} x 2048) | first-step loss"
+    return render.table(head, rows, "llllrrrr")
 
 
 def time_table(results: dict) -> str:
-    rows = []
-    for mode, rs in results["runs"].items():
-        if rs:
-            moe, experts, a2a, a2a_fwd = (
-                statistics.median(
-                    statistics.fmean(t[i] for t in run["ranks"][0]["times_timed"]) for run in rs
-                )
-                for i in range(4)
+    def row(mode: str, rs: list) -> list:
+        moe, experts, a2a, a2a_fwd = (
+            statistics.median(
+                statistics.fmean(t[i] for t in run["ranks"][0]["times_timed"]) for run in rs
             )
-            rows.append(
-                [
-                    mode,
-                    render.fmt(render.med(results, mode, "step_ms")),
-                    f"{moe:.0f}",
-                    f"{experts:.0f}",
-                    f"{a2a_fwd:.0f}",
-                    f"{moe - experts - a2a_fwd:.0f}",
-                    f"{a2a - a2a_fwd:.0f}",
-                ]
-            )
-    return render.table(
-        [
-            "mode",
-            "ms/step",
-            f"MoE layers' forward ({N_BLOCKS} layers)",
-            "of which experts",
-            "of which all-to-alls",
-            "of which the rest (gate, dispatch, combine)",
-            "all-to-alls in the backward",
-        ],
-        rows,
-        "lrrrrrr",
-    )
+            for i in range(4)
+        )
+        parts = [moe, experts, a2a_fwd, moe - experts - a2a_fwd, a2a - a2a_fwd]
+        step_ms = render.fmt(render.med(results, mode, "step_ms"))
+        return [mode, step_ms, *(f"{v:.0f}" for v in parts)]
+
+    head = f"mode | ms/step | MoE layers' forward ({N_BLOCKS} layers) | of which experts"
+    head += " | of which all-to-alls | of which the rest (gate, dispatch, combine)"
+    head += " | all-to-alls in the backward"
+    rows = [row(mode, rs) for mode, rs in results["runs"].items() if rs]
+    return render.table(head, rows, "lrrrrrr")
 
 
 def tables(results: dict) -> dict:

@@ -221,8 +221,7 @@ def offload_steps(rank: int, args, mode: str, swap: str) -> dict:
     for i, (x, y) in enumerate(h.random_batches(rank, args.warmup + args.steps, args.micro_batch)):
         if i == args.warmup:
             probe.take()
-            h.barrier()
-            busy0, cpu0, t_start = h.machine_busy_s(), time.process_time(), time.perf_counter()
+            window = h.Window().start()
         t0 = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
@@ -233,11 +232,8 @@ def offload_steps(rank: int, args, mode: str, swap: str) -> dict:
         if i >= args.warmup:
             per_step.append({"step_s": t2 - t0, "fwd_bwd_s": t1 - t0, "engine_step_s": t2 - t1})
             per_step[-1].update(probe.take())
-    h.barrier()
-    result = {
-        "elapsed_s": time.perf_counter() - t_start,
-        "machine_busy_s": h.machine_busy_s() - busy0,
-        "own_cpu_s": time.process_time() - cpu0,
+    window.stop()
+    result = window.result() | {
         "losses": losses,
         "per_step": per_step,
         "memory": engine.memory_breakdown(),
@@ -325,19 +321,13 @@ def offload_tables(results: dict) -> dict:
         rs = render.runs(results, m)
         same = ref and all([rk["losses"] for rk in r["ranks"]] == ref for r in rs)
         hidden = s["hidden"] and 100 * s["hidden"]
-        main.append(
-            [
-                m + " *" * any(r.get("noisy") for r in rs),
-                render.fmt(s["step_ms"]),
-                s["range"],
-                render.ratio(s["step_ms"], base and base["step_ms"]),
-                render.fmt(max(r["peak_rss_mib"] for r in rs)),
-                render.fmt(s["on_device"], ".2f"),
-                render.fmt(s["on_nvme"], ".2f"),
-                "-" if hidden is None else f"{hidden:.0f}%",
-                "-" if ref is None else "bit-equal" if same else "DIFFER",
-            ]
-        )
+        cells = [render.fmt(s["step_ms"]), s["range"]]
+        cells += [render.ratio(s["step_ms"], base and base["step_ms"])]
+        cells += [render.fmt(max(r["peak_rss_mib"] for r in rs))]
+        cells += [render.fmt(s["on_device"], ".2f"), render.fmt(s["on_nvme"], ".2f")]
+        cells += ["-" if hidden is None else f"{hidden:.0f}%"]
+        cells += ["-" if ref is None else "bit-equal" if same else "DIFFER"]
+        main.append([m + " *" * any(r.get("noisy") for r in rs), *cells])
         io = [s["busy_ms"], s["sum_ms"], s["transfers"], s["mb_per_step"], s["mb_s"]]
         io = [render.fmt(v) for v in io] + ["yes" if s["o_direct"] else "no"]
         detail.append(
@@ -369,22 +359,15 @@ def headline_table(results: dict) -> dict:
     states = 16 * ranks[0]["params"]
     step_s = [max(r["step_s"][i] for r in ranks) for i in range(len(ranks[0]["step_s"]))]
     rss = [r["peak_rss_mib"] * 2**20 for r in ranks]
-    row = [
-        f"{ranks[0]['params']:,}",
-        f"{states / gib:.1f} GiB",
-        f"{memory / gib:.1f} GiB",
-        f"{states / memory:.2f}x",
-        ", ".join(f"{t:.0f}" for t in step_s),
-        ", ".join(f"{x / gib:.1f}" for x in rss) + " GiB",
-        f"{sum(rss) / gib:.1f} GiB",
-        f"{sum(r['in_memory'] for r in ranks) / gib:.1f} GiB",
-        f"{sum(r['on_nvme'] for r in ranks) / gib:.1f} GiB",
-        ", ".join(f"{x:.3f}" for x in ranks[0]["losses"]),
-    ]
-    head = ["parameters", "fp32 Adam model states (16 B/param)", "machine memory"]
-    head += ["states / memory", "seconds per step (each step)", "peak RSS per rank"]
-    head += ["peak RSS, both ranks", "in memory after the steps, both ranks"]
-    head += ["on NVMe, both ranks", "losses (rank 0)"]
+    sizes = [states, memory, sum(r["in_memory"] for r in ranks), sum(r["on_nvme"] for r in ranks)]
+    states_gib, memory_gib, held, nvme = (f"{x / gib:.1f} GiB" for x in sizes)
+    row = [f"{ranks[0]['params']:,}", states_gib, memory_gib, f"{states / memory:.2f}x"]
+    per_rank = ", ".join(f"{x / gib:.1f}" for x in rss) + " GiB"
+    row += [", ".join(f"{t:.0f}" for t in step_s), per_rank, f"{sum(rss) / gib:.1f} GiB"]
+    row += [held, nvme, ", ".join(f"{x:.3f}" for x in ranks[0]["losses"])]
+    head = "parameters | fp32 Adam model states (16 B/param) | machine memory | states / memory"
+    head += " | seconds per step (each step) | peak RSS per rank | peak RSS, both ranks"
+    head += " | in memory after the steps, both ranks | on NVMe, both ranks | losses (rank 0)"
     build = f" Model build and `initialize`: {ranks[0]['build_s']:.0f}s."
     return {
         "headline": render.table(head, [row], "rrrrlrrrrl"),

@@ -55,7 +55,7 @@ def worker(mode: str, args) -> dict:
 
     lib, optimizer = MODES[mode]
     comm = h.CommCounter(dist)  # before shardspeed or DeepSpeed binds any collective
-    rank, world = h.setup(args.threads)
+    rank, _world = h.setup(args.threads)
     n, freeze = args.warmup + args.steps, args.warmup - 1
     batches = h.rank_slice(h.progression_batches(n, 16), rank, 8)
     model = h.tied_gpt(lambda i: h.gpt_block())
@@ -106,18 +106,14 @@ def worker(mode: str, args) -> dict:
 
     comm.active = True
     result = h.timed(step, batches, args.warmup, args.steps, 16 * h.SEQ)
-    losses = torch.stack(rec.pop("losses")).float()
-    dist.all_reduce(losses)
-    losses /= world
+    losses = h.loss_curve(rec.pop("losses"))
     # tokens/s from the mean step of the compressed window: 0/1 Adam's steps are not alike.
     result["tokens_per_s"] = 1e3 * 16 * h.SEQ / statistics.fmean(rec["steps_ms"][args.warmup :])
     return (
         result
         | rec
         | {
-            "losses": losses.tolist(),
-            "first_loss": losses[0].item(),
-            "last_loss": losses[-1].item(),
+            **losses,
             "freeze": freeze,
             "lib": lib,
             "params": h.local_numel(model.parameters()),
@@ -183,95 +179,47 @@ def time_table(results: dict) -> str:
     rows, tps = [], {}
     for mode, rs in results["runs"].items():
         for name, w in windows(rs[0]["freeze"], len(rs[0]["steps_ms"])).items() if rs else ():
+
+            def median_ms(key: str, w=w, rs=rs) -> str:
+                return f"{statistics.median(statistics.median(r[key][w]) for r in rs):.0f}"
+
             mean_ms = statistics.median(statistics.fmean(r["steps_ms"][w]) for r in rs)
             tps[mode, name] = 1e3 * 16 * h.SEQ / mean_ms
             comm = window_bytes(rs[0]["summary"], w)["comm_ms"] if rs[0]["lib"] == "ours" else None
+            per_round = ", ".join(f"{statistics.median(r['steps_ms'][w]):.0f}" for r in rs)
+            cells = [f"{name} (steps {w.start + 1}-{w.stop})", median_ms("steps_ms"), per_round]
+            cells += [f"{mean_ms:.0f}", f"{tps[mode, name]:.0f}", name]
             rows.append(
-                [
-                    mode,
-                    f"{name} (steps {w.start + 1}-{w.stop})",
-                    f"{statistics.median(statistics.median(r['steps_ms'][w]) for r in rs):.0f}",
-                    ", ".join(f"{statistics.median(r['steps_ms'][w]):.0f}" for r in rs),
-                    f"{mean_ms:.0f}",
-                    f"{tps[mode, name]:.0f}",
-                    name,
-                    *(
-                        f"{statistics.median(statistics.median(r[k][w]) for r in rs):.0f}"
-                        for k in ("fb_ms", "opt_ms")
-                    ),
-                    render.fmt(comm, ".1f"),
-                ]
+                [mode, *cells, median_ms("fb_ms"), median_ms("opt_ms"), render.fmt(comm, ".1f")]
             )
     for row in rows:  # ratios in the same window
         name, mode = row.pop(6), row[0]
-        row[6:6] = [
-            render.ratio(tps[mode, name], tps.get(("ddp", name))),
-            render.ratio(tps[mode, name], tps.get(("ours_adam", name))),
-        ]
-    return render.table(
-        [
-            "mode",
-            "window",
-            "ms/step (median)",
-            "per round",
-            "ms/step (mean)",
-            "tokens/s (from the mean)",
-            "/ DDP",
-            "/ shardspeed Adam",
-            "forward + backward (ms)",
-            "optimizer step (ms)",
-            "inside collectives (ms, comms logger)",
-        ],
-        rows,
-        "llrlrrrrrrr",
+        row[6:6] = [render.ratio(tps[mode, name], tps.get((b, name))) for b in ("ddp", "ours_adam")]
+    head = (
+        "mode | window | ms/step (median) | per round | ms/step (mean) | tokens/s (from the mean)"
     )
+    head += " | / DDP | / shardspeed Adam | forward + backward (ms) | optimizer step (ms)"
+    return render.table(head + " | inside collectives (ms, comms logger)", rows, "llrlrrrrrrr")
 
 
 def bytes_table(results: dict) -> str:
+    def calls(d):
+        return ", ".join(f"{v:.3g} x {op}" for op, v in sorted(d.items())) or "-"
+
     rows = []
-    for mode, rs in results["runs"].items():
-        if not rs:
-            continue
+    for mode in render.measured(results):
+        rs = results["runs"][mode]
         steps, source = step_bytes(rs[0]["ranks"][0])
         ws = windows(rs[0]["freeze"], len(steps))
         wu, c = (window_bytes(steps, ws[k]) for k in ("warm-up", "compressed"))
-        wire_c = size(c["wire"]) + (
-            f" ({size(c['wire_min'])} - {size(c['wire_max'])})"
-            if c["wire_max"] - c["wire_min"] > 1
-            else ""
-        )
-
-        def calls(d):
-            return ", ".join(f"{v:.3g} x {op}" for op, v in sorted(d.items())) or "-"
-
-        rows.append(
-            [
-                mode,
-                source,
-                calls(wu["calls"]),
-                size(wu["payload"]),
-                size(wu["wire"]),
-                calls(c["calls"]),
-                size(c["payload"]),
-                wire_c,
-                render.ratio(wu["wire"], c["wire"], ".1f"),
-            ]
-        )
-    return render.table(
-        [
-            "mode",
-            "counted by",
-            "warm-up step: collectives",
-            "payload",
-            "on the wire per rank",
-            "compressed step: collectives (mean per step)",
-            "payload",
-            "on the wire per rank",
-            "wire bytes, warm-up / compressed",
-        ],
-        rows,
-        "lllrrlrrr",
-    )
+        spread = f" ({size(c['wire_min'])} - {size(c['wire_max'])})"
+        wire_c = size(c["wire"]) + spread * (c["wire_max"] - c["wire_min"] > 1)
+        cells = [calls(wu["calls"]), size(wu["payload"]), size(wu["wire"]), calls(c["calls"])]
+        cells += [size(c["payload"]), wire_c, render.ratio(wu["wire"], c["wire"], ".1f")]
+        rows.append([mode, source, *cells])
+    head = "mode | counted by | warm-up step: collectives | payload | on the wire per rank"
+    head += " | compressed step: collectives (mean per step) | payload | on the wire per rank"
+    return render.table(head + " | wire bytes, warm-up / compressed", rows, "lllrrlrrr")
 
 
 def loss_table(results: dict) -> str:
@@ -286,14 +234,7 @@ def loss_table(results: dict) -> str:
         if rs
     ]
     return render.table(
-        [
-            "mode",
-            "step 1",
-            "step F",
-            "step F+1",
-            "final (step T)",
-            "final / shardspeed Adam's final",
-        ],
+        ("mode | step 1 | step F | step F+1 | final (step T) | final / shardspeed Adam's final"),
         rows,
         "lrrrrr",
     )

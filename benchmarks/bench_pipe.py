@@ -135,8 +135,6 @@ def deepspeed_pipeline(world: int, m: int, timer: PassTimer):
 
 
 def worker(mode: str, args) -> dict:
-    import torch
-    import torch.distributed as dist
 
     kind, schedule, m = parse_mode(mode)
     rank, world = h.setup(args.threads)
@@ -155,13 +153,10 @@ def worker(mode: str, args) -> dict:
             engine, extra = ours_pipeline(world, schedule, m, timer, rank)
         else:
             engine, extra = deepspeed_pipeline(world, m, timer)
-        mb = GLOBAL_BATCH // m
 
         def step_once(x, y):
             timer.busy, timer.start = 0.0, time.perf_counter()
-            loss = engine.train_batch(
-                iter([(x[i * mb : (i + 1) * mb], y[i * mb : (i + 1) * mb]) for i in range(m)])
-            )
+            loss = engine.train_batch(h.micro_batches(x, y, m))
             steps["busy"].append(timer.busy)
             steps["window"].append(timer.reduce - timer.start)
             if kind == "ours":
@@ -182,14 +177,9 @@ def worker(mode: str, args) -> dict:
     result["page_faults_per_step"] = (
         resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults[0]
     ) / args.steps
-    losses = torch.stack(steps["loss"]).float()
-    if kind == "dp":  # each rank its own loss: average them (pipelines: the global batch's)
-        dist.all_reduce(losses)
-        losses /= world
-    result["first_loss"], result["last_loss"] = losses[0].item(), losses[-1].item()
+    result |= h.loss_curve(steps["loss"], kind == "dp")
     timed_steps = slice(args.warmup, None)
     result |= extra | {
-        "losses": losses.tolist(),
         "kind": kind,
         "m": m,
         "params_local": h.local_numel(
@@ -219,90 +209,43 @@ def schedule_name(mode: str) -> str:
 
 
 def throughput_table(results: dict) -> str:
-    base = {b: render.med(results, b) for b in ("ddp", "fsdp2", "deepspeed_dp", "ours_dp")}
-    rows = []
-    for mode in results["runs"]:
-        tps = render.med(results, mode)
-        if tps is None:
-            continue
+    def shape(mode: str) -> str:
         kind, _, m = parse_mode(mode)
-        shape = (
-            f"1 x {GLOBAL_BATCH // 2} per rank" if kind == "dp" else f"{m} x {GLOBAL_BATCH // m}"
-        )
-        ds_pipe = render.med(results, f"dspipe_m{m}") if kind == "ours" else None
-        faults = render.per_rank(results, mode, lambda r: r["page_faults_per_step"])
-        rows.append(
-            [
-                mode,
-                schedule_name(mode),
-                shape,
-                f"{tps:.0f}",
-                render.fmt(render.med(results, mode, "step_ms")),
-                *(render.ratio(tps, base[b]) for b in ("ddp", "fsdp2")),
-                render.ratio(tps, ds_pipe),
-                render.ratio(tps, base["deepspeed_dp"]),
-                render.ratio(tps, base["ours_dp"]),
-                " / ".join(f"{f / 1000:.1f}k" for f in faults),
-            ]
-        )
-    return render.table(
-        [
-            "mode",
-            "schedule",
-            "m x micro batch",
-            "tokens/s (median)",
-            "ms/step",
-            "/ DDP",
-            "/ FSDP2",
-            "/ DeepSpeed pipeline (same m)",
-            "/ DeepSpeed DP",
-            "/ shardspeed DP",
-            "page faults per step (rank 0 / 1)",
-        ],
-        rows,
-        "lllrrrrrrrl",
-    )
+        return f"1 x {GLOBAL_BATCH // 2} per rank" if kind == "dp" else f"{m} x {GLOBAL_BATCH // m}"
+
+    def ds_pipe(mode: str) -> str | None:
+        kind, _, m = parse_mode(mode)
+        return f"dspipe_m{m}" if kind == "ours" else None
+
+    def faults(mode: str) -> str:
+        per_rank = render.per_rank(results, mode, lambda r: r["page_faults_per_step"])
+        return " / ".join(f"{f / 1000:.1f}k" for f in per_rank)
+
+    bases = {"DDP": "ddp", "FSDP2": "fsdp2", "DeepSpeed pipeline (same m)": ds_pipe}
+    bases |= {"DeepSpeed DP": "deepspeed_dp", "shardspeed DP": "ours_dp"}
+    spec = [("mode", "l", str), ("schedule", "l", schedule_name), ("m x micro batch", "l", shape)]
+    spec += render.speed_columns(results, bases)
+    spec.append(("page faults per step (rank 0 / 1)", "l", faults))
+    return render.columns(spec, [m for m in results["runs"] if render.med(results, m)])
 
 
 def memory_table(results: dict) -> str:
-    rows = []
-    for mode in results["runs"]:
-        if not render.runs(results, mode):
-            continue
+    def live(mode: str) -> str:
         kind = parse_mode(mode)[0]
-        params = render.per_rank(results, mode, lambda r: r["params_local"])
-        states = render.per_rank(results, mode, lambda r: r.get("model_state_bytes") or 0)
-        rss = render.per_rank(results, mode, lambda r: r["peak_rss_mib"], max)
-        live = "-"
-        if kind != "dp":
-            live = render.slash(render.per_rank(results, mode, lambda r: r["peak_live"], max), "d")
-            first = render.runs(results, mode)[0]["ranks"]
-            live += (
-                f" (schedule: {' / '.join(str(r['schedule_live']) for r in first)})"
-                if kind == "ours"
-                else " (buffers)"
-            )
-        rows.append(
-            [
-                mode,
-                " / ".join(f"{p / 1e6:.2f}M" for p in params),
-                render.slash([16 * p / render.MIB for p in params]),
-                render.slash([s / render.MIB for s in states]) if any(states) else "-",
-                render.slash(rss, ".0f"),
-                live,
-            ]
-        )
-    return render.table(
-        [
-            "mode",
-            "parameters per rank (rank 0 / 1)",
-            "16 B x parameters (MiB)",
-            "shardspeed model states, measured (MiB)",
-            "peak RSS per rank (MiB, rank 0 / 1)",
-            "micro-batches alive at once (stage 0 / 1)",
-        ],
-        rows,
+        if kind == "dp":
+            return "-"
+        peak = render.ranks_text(results, mode, lambda r: r["peak_live"], "d", max)
+        if kind != "ours":
+            return peak + " (buffers)"
+        first = render.runs(results, mode)[0]["ranks"]
+        return peak + f" (schedule: {' / '.join(str(r['schedule_live']) for r in first)})"
+
+    spec = render.model_columns(results)
+    spec += render.rss_columns(
+        results, growth=False, peak_header="peak RSS per rank (MiB, rank 0 / 1)"
     )
+    spec.append(("micro-batches alive at once (stage 0 / 1)", "l", live))
+    return render.columns(spec, render.measured(results))
 
 
 def window_idle(run: dict) -> list[float]:
@@ -347,16 +290,12 @@ def bubble_table(results: dict) -> str:
             ]
         )
     return render.table(
-        [
-            "schedule",
-            "m",
-            "v",
-            "theory (p-1)/(v*m+p-1)",
-            "engine.bubble, stage 0 / 1",
-            "idle share of the pipeline's window, stage 0 / 1",
-            "fwd+bwd busy per step, stage 0 / 1 (ms)",
-            "estimate from that stage balance, stage 0 / 1",
-        ],
+        (
+            "schedule | m | v | theory (p-1)/(v*m+p-1) | engine.bubble, stage 0 / 1"
+            " | idle share of the pipeline's window, stage 0 / 1"
+            " | fwd+bwd busy per step, stage 0 / 1 (ms)"
+            " | estimate from that stage balance, stage 0 / 1"
+        ),
         rows,
         "lrrrllll",
     )

@@ -237,18 +237,10 @@ def build(mode: str, rank: int, world: int, micro_batch: int):
             pipeline={"schedule": "1f1b"},
         )
         engine, *_ = shardspeed.initialize(model=model, config=cfg)
-        mb = GLOBAL_BATCH // PIPE_M
 
         def step(x, y):
             with meter_hooks():
-                return engine.train_batch(
-                    iter(
-                        [
-                            (x[i * mb : (i + 1) * mb], y[i * mb : (i + 1) * mb])
-                            for i in range(PIPE_M)
-                        ]
-                    )
-                )
+                return engine.train_batch(h.micro_batches(x, y, PIPE_M))
 
         return step, list(engine.module.parameters()), engine, batches
     model = h.tied_gpt(lambda i: block())
@@ -278,7 +270,6 @@ def build(mode: str, rank: int, world: int, micro_batch: int):
 
 
 def worker(mode: str, args) -> dict:
-    import torch
     import torch.distributed as dist
 
     comm = h.CommCounter(dist)  # before shardspeed or DeepSpeed binds any collective
@@ -304,12 +295,7 @@ def worker(mode: str, args) -> dict:
     else:
         step(*batches[n])
     comm.active = False
-    loss_t = torch.stack(losses).float()
-    if MODES[mode][1] == "dp":  # each rank its own loss: average (TP and PP: the global batch's)
-        dist.all_reduce(loss_t)
-        loss_t /= world
-    result |= {"comm": comm.snapshot(), "losses": loss_t.tolist()}
-    result["first_loss"], result["last_loss"] = loss_t[0].item(), loss_t[-1].item()
+    result |= {"comm": comm.snapshot()} | h.loss_curve(losses, MODES[mode][1] == "dp")
     if MODES[mode][0] == "ours":
         mem = engine.memory_breakdown()
         result["model_state_bytes"] = mem["total"] - mem["buffers"]
@@ -317,133 +303,64 @@ def worker(mode: str, args) -> dict:
 
 
 def throughput_table(results: dict) -> str:
-    bases = ("ddp", "fsdp2", "deepspeed_dp", "deepspeed_tp", "ours_dp")
-    base = {b: render.med(results, b) for b in bases}
-    shape = {
-        "dp": "8 per rank, 2 replicas",
-        "tp": "16, the same on both ranks",
-        "pp": f"{PIPE_M} x {GLOBAL_BATCH // PIPE_M}, through 2 stages",
-    }
-    rows = [
-        [
-            mode,
-            shape[MODES[mode][1]],
-            render.fmt(tps),
-            render.fmt(render.med(results, mode, "step_ms")),
-            *(render.ratio(tps, base[b]) for b in bases),
-        ]
-        for mode in results["runs"]
-        if (tps := render.med(results, mode))
-    ]
-    return render.table(
-        [
-            "mode",
-            "micro batch x ranks' batches",
-            "tokens/s (median)",
-            "ms/step",
-            "/ DDP",
-            "/ FSDP2",
-            "/ DeepSpeed DP",
-            "/ DeepSpeed AutoTP",
-            "/ shardspeed DP",
-        ],
-        rows,
-        "llrrrrrrr",
-    )
+    bases = {"DDP": "ddp", "FSDP2": "fsdp2", "DeepSpeed DP": "deepspeed_dp"}
+    bases |= {"DeepSpeed AutoTP": "deepspeed_tp", "shardspeed DP": "ours_dp"}
+    shape = {"dp": "8 per rank, 2 replicas", "tp": "16, the same on both ranks"}
+    shape["pp"] = f"{PIPE_M} x {GLOBAL_BATCH // PIPE_M}, through 2 stages"
+    spec = [("mode", "l", str), ("micro batch x ranks' batches", "l", lambda m: shape[MODES[m][1]])]
+    spec += render.speed_columns(results, bases)
+    return render.columns(spec, [m for m in results["runs"] if render.med(results, m)])
 
 
 def memory_table(results: dict) -> str:
-    rows = []
-    for mode in results["runs"]:
-        if not render.runs(results, mode):
-            continue
-        params = render.per_rank(results, mode, lambda r: r["params_local"])
-        states = render.per_rank(results, mode, lambda r: r.get("model_state_bytes") or 0)
-        saved = render.per_rank(results, mode, lambda r: r.get("saved_peak", -1))
-        blocks = render.per_rank(results, mode, lambda r: r.get("saved_blocks", -1))
-        mib = render.MIB
-        rows.append(
-            [
-                mode,
-                " / ".join(f"{p / 1e6:.2f}M" for p in params),
-                render.slash([16 * p / mib for p in params]),
-                render.slash([s / mib for s in states]) if any(states) else "-",
-                render.slash([s / mib for s in saved]) if min(saved) >= 0 else "not measured",
-                render.slash([b / mib for b in blocks]) if min(blocks) >= 0 else "-",
-                render.slash(
-                    render.per_rank(results, mode, lambda r: r["peak_rss_mib"], max), ".0f"
-                ),
-                render.slash(render.per_rank(results, mode, lambda r: r["rss_growth_mib"]), ".0f"),
-            ]
-        )
-    return render.table(
-        [
-            "mode",
-            "parameters per rank (rank 0 / 1)",
-            "16 B x parameters (MiB)",
-            "shardspeed model states, measured (MiB)",
-            "saved activations, peak (MiB, rank 0 / 1)",
-            "of which in the blocks",
-            "peak RSS per rank (MiB)",
-            "RSS growth in training (MiB)",
-        ],
-        rows,
-    )
+    saved = "saved activations, peak (MiB, rank 0 / 1)"
+    spec = render.model_columns(results)
+    spec.append(render.mib_column(results, saved, "saved_peak", missing="not measured"))
+    spec.append(render.mib_column(results, "of which in the blocks", "saved_blocks"))
+    return render.columns(spec + render.rss_columns(results), render.measured(results))
 
 
 def ckpt_table(results: dict) -> str:
-    rows = []
-    for a, b in CKPT_PAIRS:
-        if not (render.runs(results, a) and render.runs(results, b)):
-            continue
+    def pair(key, spec=".1f", scale=render.MIB):
+        def cell(modes) -> str:
+            values = [render.per_rank(results, m, lambda r: r.get(key))[0] for m in modes]
+            return " -> ".join(render.fmt(v and v / scale, spec) for v in values)
 
-        def pair(key, spec=".1f", scale=render.MIB, modes=(a, b)):
-            vals = [render.per_rank(results, m, lambda r: r.get(key))[0] for m in modes]
-            return " -> ".join(render.fmt(v and v / scale, spec) for v in vals), vals
+        return cell
 
-        blocks, (b0, b1) = pair("saved_blocks")
-        ms = [render.med(results, m, "step_ms") for m in (a, b)]
-        rows.append(
-            [
-                f"{a} -> {b}",
-                blocks,
-                render.ratio(b1, b0),
-                pair("saved_peak")[0],
-                pair("peak_rss_mib", ".0f", 1)[0],
-                pair("rss_growth_mib", ".0f", 1)[0],
-                " -> ".join(render.fmt(m) for m in ms),
-                render.ratio(ms[1], ms[0]),
-            ]
-        )
-    return render.table(
-        [
-            "without -> with",
-            "saved activations in the blocks (MiB, rank 0)",
-            "ratio",
-            "all saved activations (MiB)",
-            "peak RSS (MiB)",
-            "RSS growth in training (MiB)",
-            "ms/step",
-            "time ratio",
-        ],
-        rows,
-        "llrllllr",
-    )
+    def ratio(key):
+        return lambda modes: render.ratio(*[key(m) for m in reversed(modes)])
+
+    def blocks(mode):
+        return render.per_rank(results, mode, lambda r: r.get("saved_blocks"))[0]
+
+    def step_ms(mode):
+        return render.med(results, mode, "step_ms")
+
+    spec = [("without -> with", "l", " -> ".join)]
+    spec += [("saved activations in the blocks (MiB, rank 0)", "l", pair("saved_blocks"))]
+    spec += [
+        ("ratio", "r", ratio(blocks)),
+        ("all saved activations (MiB)", "l", pair("saved_peak")),
+    ]
+    spec += [("peak RSS (MiB)", "l", pair("peak_rss_mib", ".0f", 1))]
+    spec += [("RSS growth in training (MiB)", "l", pair("rss_growth_mib", ".0f", 1))]
+    spec += [("ms/step", "l", lambda modes: " -> ".join(render.fmt(step_ms(m)) for m in modes))]
+    spec += [("time ratio", "r", ratio(step_ms))]
+    pairs = [p for p in CKPT_PAIRS if all(render.runs(results, m) for m in p)]
+    return render.columns(spec, pairs)
 
 
 def comm_table(results: dict) -> str:
-    rows = []
-    for mode, rs in results["runs"].items():
-        if rs:
-            texts = [
-                render.comm_text(r["comm"]["calls"], r["comm"]["bytes"]) for r in rs[0]["ranks"]
-            ]
-            if MODES[mode][0] == "ddp":
-                texts = [t + " (DDP's gradient all-reduce runs in C++, not seen)" for t in texts]
-            rows.append([mode, *texts])
-    return render.table(
-        ["mode", "collectives and transfers in one step, rank 0 (calls, bytes)", "rank 1"], rows
-    )
+    def texts(mode: str) -> list[str]:
+        runs = results["runs"][mode][0]["ranks"]
+        out = [render.comm_text(r["comm"]["calls"], r["comm"]["bytes"]) for r in runs]
+        unseen = " (DDP's gradient all-reduce runs in C++, not seen)" * (MODES[mode][0] == "ddp")
+        return [t + unseen for t in out]
+
+    rows = [[mode, *texts(mode)] for mode in render.measured(results)]
+    head = "mode | collectives and transfers in one step, rank 0 (calls, bytes) | rank 1"
+    return render.table(head, rows)
 
 
 def tables(results: dict) -> dict:

@@ -191,6 +191,9 @@ def memory_table(results: dict, modes) -> str:
     the ZeRO formula; the sum at each point; other framework tensors; peak RSS per rank."""
     from shardspeed.zero import model_state_bytes
 
+    def mib(b):
+        return f"{b / render.MIB:.1f}"
+
     rows = []
     for mode in modes:
         rs = render.runs(results, mode)
@@ -199,40 +202,21 @@ def memory_table(results: dict, modes) -> str:
         per_rank = [r["census"] for r in rs[-1]["ranks"]]
         at = max(POINTS, key=lambda p: states(per_rank[0][p]))
         peak, total = per_rank[0][at], states(per_rank[0][at])
-        formula = model_state_bytes(rs[0]["params"], 2, stage(mode), precision=precision(mode))
-        formula = formula["total"]
+        formula = model_state_bytes(rs[0]["params"], 2, stage(mode), precision=precision(mode))[
+            "total"
+        ]
         other = max(pr[p]["other"] for pr in per_rank for p in POINTS)
-        rss = render.per_rank(results, mode, lambda r: r["peak_rss_mib"], max)
-
-        def mib(b):
-            return f"{b / render.MIB:.1f}"
-
-        rows.append(
-            [
-                mode,
-                mib(formula),
-                *(mib(peak[k]) for k in h.STATE_KINDS),
-                f"{mib(total)} ({at.replace('_', ' ')})",
-                f"{total / formula:.3f}",
-                " / ".join(mib(states(per_rank[0][p])) for p in POINTS),
-                mib(other),
-                render.slash(rss, ".0f"),
-            ]
-        )
+        rss = render.ranks_text(results, mode, lambda r: r["peak_rss_mib"], ".0f", max)
+        cells = [mib(formula), *(mib(peak[k]) for k in h.STATE_KINDS)]
+        cells += [f"{mib(total)} ({at.replace('_', ' ')})", f"{total / formula:.3f}"]
+        cells.append(" / ".join(mib(states(per_rank[0][p])) for p in POINTS))
+        rows.append([mode, *cells, mib(other), rss])
     return render.table(
-        [
-            "mode",
-            "ZeRO formula",
-            "parameters",
-            "gradients",
-            "fp32 master copy",
-            "optimizer states",
-            "model states, max (at)",
-            "/ formula",
-            "after fwd / bwd / step",
-            "other framework tensors",
-            "peak RSS rank 0 / rank 1",
-        ],
+        (
+            "mode | ZeRO formula | parameters | gradients | fp32 master copy"
+            " | optimizer states | model states, max (at) | / formula"
+            " | after fwd / bwd / step | other framework tensors | peak RSS rank 0 / rank 1"
+        ),
         rows,
         "lrrrrrrrlrl",
     )

@@ -96,6 +96,11 @@ def progression_batches(n: int, size: int, used_vocab: int = 256) -> list:
     return out
 
 
+def micro_batches(x, y, m: int):
+    """A pipeline's input: the global batch (x, y) as an iterator of `m` micro-batches."""
+    return iter(zip(x.chunk(m), y.chunk(m)))
+
+
 def rank_slice(batches: list, rank: int, micro_batch: int) -> list:
     """This data-parallel rank's rows of each global batch."""
     lo = rank * micro_batch
@@ -300,29 +305,67 @@ def current_rss_mib() -> float:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
 
 
+class Window:
+    """The CPU accounting of measured windows (summed over each `with`, or `start()` to
+    `result()`), for the orchestrator's 'other load': wall seconds, the machine's busy CPU seconds
+    and this process's; `sync` (a barrier) at both ends; `last`: the latest window's seconds."""
+
+    def __init__(self, sync: Callable = barrier) -> None:
+        self.sync, self.totals, self.last = sync, [0.0, 0.0, 0.0], 0.0
+
+    def start(self) -> Window:
+        self.sync()
+        self.begin = (time.perf_counter(), machine_busy_s(), time.process_time())
+        return self
+
+    def stop(self) -> float:
+        self.sync()
+        now = (time.perf_counter(), machine_busy_s(), time.process_time())
+        self.totals = [t + b - a for t, a, b in zip(self.totals, self.begin, now)]
+        self.last = now[0] - self.begin[0]
+        return self.last
+
+    __enter__ = start
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def result(self) -> dict:
+        return dict(zip(("elapsed_s", "machine_busy_s", "own_cpu_s"), self.totals))
+
+
 def timed(
     step: Callable, batches: list, warmup: int, steps: int, tokens_per_step: int, sync=barrier
 ) -> dict:
     """Warm-up steps, a `sync` (barrier), `steps` timed steps, a `sync`: tokens/s, ms/step, the
     first and last loss, and the CPU accounting the orchestrator turns into 'other load'."""
     losses = [step(x, y).item() for x, y in batches[:warmup]]
-    sync()
-    busy0, cpu0, t0 = machine_busy_s(), time.process_time(), time.perf_counter()
+    window = Window(sync).start()
     for x, y in batches[warmup : warmup + steps]:
         loss = step(x, y)
     last = loss.item()
-    sync()
-    elapsed = time.perf_counter() - t0
-    return {
-        "elapsed_s": elapsed,
+    elapsed = window.stop()
+    return window.result() | {
         "tokens_per_s": tokens_per_step * steps / elapsed,
         "step_ms": 1000 * elapsed / steps,
         "first_loss": losses[0] if losses else last,
         "last_loss": last,
-        "machine_busy_s": machine_busy_s() - busy0,
-        "own_cpu_s": time.process_time() - cpu0,
         "peak_rss_mib": peak_rss_mib(),
     }
+
+
+def loss_curve(losses: list, average: bool = True) -> dict:
+    """The losses of every step (tensors) with the first and last; `average`: the mean over the
+    ranks (each rank had its own batch; a pipeline's or TP's loss is the global batch's)."""
+    import torch
+    import torch.distributed as dist
+
+    values = torch.stack(losses).float()
+    if average:
+        dist.all_reduce(values)
+        values /= dist.get_world_size()
+    out = values.tolist()
+    return {"losses": out, "first_loss": out[0], "last_loss": out[-1]}
 
 
 def local(t):
@@ -450,19 +493,9 @@ class CommCounter:
     calls another counts once). One over a group of one rank (which moves nothing) counts under
     NAME@1. `batch_isend_irecv` counts per transfer. DDP's reducer runs in C++ and is not seen."""
 
-    NAMES = (
-        "all_reduce",
-        "all_gather_into_tensor",
-        "all_gather_single",
-        "all_gather",
-        "reduce_scatter_tensor",
-        "reduce_scatter_single",
-        "broadcast",
-        "send",
-        "recv",
-        "all_to_all_single",
-        "reduce",
-    )
+    NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather")
+    NAMES += ("reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "send", "recv")
+    NAMES += ("all_to_all_single", "reduce")
     ALIASES: ClassVar[dict[str, str]] = {
         "all_gather_single": "all_gather_into_tensor",
         "reduce_scatter_single": "reduce_scatter_tensor",
