@@ -605,6 +605,22 @@ RULE_TRIGGERS: dict[str, tuple[dict, RunFacts | None]] = {
     ),
     "experts without a pipeline": ({}, RunFacts(moe_ep_sizes=(2,), pipeline_stages=2)),
     "experts without stage 3": ({"zero_optimization": {"stage": 3}}, RunFacts(moe_ep_sizes=(2,))),
+    "sequence parallelism without a pipeline": (
+        {"sequence_parallel_size": 2},
+        RunFacts(pipeline_module=True),
+    ),
+    "sequence parallelism without tensor parallelism": (
+        {"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}},
+        None,
+    ),
+    "experts without sequence parallelism": (
+        {"sequence_parallel_size": 2},
+        RunFacts(moe_ep_sizes=(2,)),
+    ),
+    "hybrid engine without sequence parallelism": (
+        {"sequence_parallel_size": 2, "hybrid_engine": {"enabled": True}},
+        None,
+    ),
     "compressed optimizers on plain data parallelism": (
         {"zero_optimization": {"stage": 1}},
         RunFacts(

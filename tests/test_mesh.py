@@ -3,7 +3,8 @@
 Each case asks the live ranks for the global ranks of every group the mesh gives them and checks
 them against the layout worked out here by hand: tensor-parallel ranks are neighbours, experts are
 carved out of each data-parallel group (DeepSpeed's two layouts), a tied weight's group holds the
-ranks at its stages, one per replica. A group asked for twice is the same group, not a new one.
+ranks at its stages, one per replica, sequence ranks are neighbours (DeepSpeed's data x sequence
+mesh) and the sequence-data group holds both axes. A group asked for twice is the same group, not a new one.
 """
 
 from __future__ import annotations
@@ -104,6 +105,42 @@ def _pipeline_groups(stages: int) -> dict:
     }
 
 
+def _sequence_groups(sequence: int) -> dict:
+    mesh = Topology.build(sequence_parallel=sequence)
+    ds_groups.use_topology(mesh)
+    try:
+        answers = {
+            "sequence": (
+                _ranks(ds_groups._get_sequence_parallel_group()),
+                ds_groups._get_sequence_parallel_rank(),
+                ds_groups._get_sequence_parallel_world_size(),
+            ),
+            "sequence_data": (
+                _ranks(ds_groups._get_sequence_data_parallel_group()),
+                ds_groups._get_sequence_data_parallel_rank(),
+                ds_groups._get_sequence_data_parallel_world_size(),
+            ),
+            "data": (
+                _ranks(ds_groups._get_data_parallel_group()),
+                ds_groups._get_data_parallel_rank(),
+                ds_groups._get_data_parallel_world_size(),
+            ),
+            "broadcast_source": ds_groups._get_broadcast_src_rank(),
+        }
+    finally:
+        ds_groups.use_topology(Topology.world())
+    return {
+        **answers,
+        "same_mesh": Topology.build(sequence_parallel=sequence) is mesh,
+        "group_handed_out_again": mesh.get_sequence_parallel_group()
+        is mesh.get_sequence_parallel_group(),
+        "rank_in_groups": (
+            dist.get_rank(mesh.get_sequence_parallel_group()),
+            dist.get_rank(mesh.get_sequence_data_parallel_group()),
+        ),
+    }
+
+
 def _inference_tensor_parallel_group(tp_size: int) -> list[int]:
     from shardspeed.inference.config import load_inference_config
     from shardspeed.inference.engine import _tensor_parallel_group
@@ -128,6 +165,8 @@ def _refusals() -> list[str]:
     world = dist.get_world_size()
     for ask in (
         lambda: Topology.build(tensor_parallel=world + 1),
+        lambda: Topology.build(sequence_parallel=world + 1),
+        lambda: Topology.build(tensor_parallel=2, sequence_parallel=2),
         lambda: Topology.world().expert_groups(world + 1),
         lambda: Topology.world().data_parallel_runs(world + 1),
         lambda: Topology.world().tie_group([0, 1]),
@@ -199,6 +238,22 @@ def test_pipeline_and_tie_groups(request, world):
         assert seen["last_stage_only"] == pipeline[-1]
 
 
+@pytest.mark.parametrize(("world", "sequence"), [(2, 2), (4, 2), (4, 4)])
+def test_sequence_and_sequence_data_groups(request, world, sequence):
+    data = world // sequence
+    for rank, seen in enumerate(_pool(request, world).run(_sequence_groups, sequence)):
+        replica, sp_rank = divmod(rank, sequence)
+        # DeepSpeed's (data, sequence) mesh: a sequence group is a run of consecutive ranks, a
+        # data-parallel group the ranks at one place in every run, and ZeRO's group all of them.
+        run = list(range(replica * sequence, (replica + 1) * sequence))
+        assert seen["sequence"] == (run, sp_rank, sequence)
+        assert seen["sequence_data"] == (list(range(world)), rank, world)
+        assert seen["data"] == ([sp_rank + k * sequence for k in range(data)], replica, data)
+        assert seen["broadcast_source"] == 0
+        assert seen["same_mesh"] and seen["group_handed_out_again"]
+        assert seen["rank_in_groups"] == (sp_rank, rank)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_inference_tensor_parallel_groups_come_from_the_world_mesh(request, world):
     for rank, group in enumerate(_pool(request, world).run(_inference_tensor_parallel_group, 2)):
@@ -212,8 +267,10 @@ def test_deepspeed_groups_answer_from_the_world_mesh_before_initialize(request, 
 
 
 def test_sizes_that_do_not_fit_are_refused(pool2):
-    tensor, experts, runs, tie = pool2.run(_refusals)[0]
+    tensor, sequence, both, experts, runs, tie = pool2.run(_refusals)[0]
     assert "tensor_parallel.autotp_size 3 must divide the world size 2" in tensor
+    assert "sequence_parallel_size 3 must divide the world size 2" in sequence
+    assert "sequence_parallel_size and tensor_parallel.autotp_size do not combine" in both
     assert "ep_size 3 must divide the data-parallel size 2" in experts
     assert "3 must divide the data-parallel size 2" in runs
     assert "tied pipeline weights need a mesh with a 'pipe' axis" in tie

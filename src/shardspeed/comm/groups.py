@@ -6,9 +6,12 @@ DeepSpeed keeps its groups in module globals that `initialize` fills; libraries 
 one; every group is the mesh's. A group of None is the default (world) group, as everywhere in
 torch.distributed.
 
-shardspeed has no sequence parallelism yet: the sequence-parallel group is this rank alone (size 1),
-and the sequence-data-parallel group is the data-parallel group, which is what DeepSpeed reports
-for a run without sequence parallelism.
+With `sequence_parallel_size` (or `initialize(mesh_param=(dp, sp))`) the sequence-parallel group is
+a run of `sp` consecutive ranks and the sequence-data-parallel group holds the data x sequence ranks
+(those ZeRO shards over and gradients are reduced over), laid out as DeepSpeed's mesh does; the
+data-parallel group is then the ranks at the same place in each sequence group. Without it, the
+sequence-parallel group is this rank alone and the sequence-data-parallel group is the data-parallel
+group, which is what DeepSpeed reports for a run without sequence parallelism.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def _get_data_parallel_group_ranks() -> list[int]:
 
 
 def _get_broadcast_src_rank() -> int:
-    group = _current().dp_group
+    group = _current().get_sequence_data_parallel_group()  # DeepSpeed's: ZeRO's group
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
@@ -104,7 +107,7 @@ def get_tensor_model_parallel_src_rank() -> int:
     return dist.get_rank() if group is None else dist.get_global_rank(group, 0)
 
 
-# -- sequence parallel (none yet: size 1) -----------------------------------------------------------
+# -- sequence parallel ---------------------------------------------------------------------------
 
 
 def _get_sequence_parallel_group() -> Any:

@@ -15,6 +15,13 @@ group, which exchanges tokens all-to-all), and the ranks at the same place in ev
 experts (the expert-data group, which averages their gradients), as DeepSpeed lays them out.
 DeepSpeed's `use_data_before_expert_parallelism` swaps the two: expert-data groups are the runs of
 consecutive ranks and expert groups stride across them.
+
+Sequence parallelism is an axis of its own, inside data: with axes (data, sequence) and sizes
+(dp, sp), as DeepSpeed's `mesh_param=(dp, sp)` lays them out, runs of `sp` consecutive ranks split
+one sequence (the sequence group), and the data x sequence ranks together (the sequence-data
+group) are the ones ZeRO shards over and gradients are reduced over, since every sequence rank
+holds the whole model. The batch arithmetic counts `dp` replicas: the ranks of a sequence group
+share their batches.
 """
 
 from __future__ import annotations
@@ -148,10 +155,10 @@ class ExpertGroups:
 class Topology:
     """The parallel mesh: this rank's place on every axis, and every process group it talks over.
 
-    Axes: data (gradients averaged, ZeRO shards), pipeline (stages), tensor (layers split),
-    sequence (one rank per sequence for now: its group is this rank alone, and the ranks ZeRO
-    shards over, data x sequence as in DeepSpeed, are the data-parallel group), and expert (carved
-    out of data, one layout per `ep_size`). The model-parallel group (pipeline x tensor: the ranks
+    Axes: data (replicas that take their own batches), sequence (ranks that split one sequence;
+    with data, the sequence-data group that ZeRO shards over and gradients are reduced over: the
+    data-parallel group when there is one rank per sequence), pipeline (stages), tensor (layers
+    split), and expert (carved out of data, one layout per `ep_size`). The model-parallel group (pipeline x tensor: the ranks
     whose parameters together make one model) serves gradient norms. Groups the axes imply are
     made when the mesh is built; those that depend on a model (expert sizes, the stages a tied
     weight spans, runs of data-parallel ranks for inference tensor parallelism, the one-rank
@@ -175,31 +182,38 @@ class Topology:
     tp_world_size: int = 1
     tp_group: Any = None
     mp_group: Any = None
+    sp_rank: int = 0
+    sp_world_size: int = 1
+    sp_group: Any = None  # read when sp_world_size > 1
+    sdp_group: Any = None  # read when sp_world_size > 1
     mesh: ProcessTopology | None = field(default=None, compare=False)
     # Groups made on request, by what was asked (collective the first time, so cached).
     _requested: dict[tuple[Any, ...], Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def build(cls, mpu: Any = None, tensor_parallel: int = 1) -> Topology:
+    def build(
+        cls, mpu: Any = None, tensor_parallel: int = 1, sequence_parallel: int = 1
+    ) -> Topology:
         """From a user's `mpu`, or the world's mesh with `tensor_parallel` ranks per layer (data x
-        tensor; 0 or 1: none); the same mesh, groups and all, for every call with the same sizes
-        in one world."""
+        tensor; 0 or 1: none) or `sequence_parallel` ranks per sequence (data x sequence); the
+        same mesh, groups and all, for every call with the same sizes in one world."""
         if mpu is not None:
-            if tensor_parallel > 1:
+            if tensor_parallel > 1 or sequence_parallel > 1:
                 raise ValueError(
-                    "pass an mpu or ask for tensor parallelism in the config, not both"
+                    "pass an mpu or ask for tensor or sequence parallelism in the config "
+                    "('tensor_parallel.autotp_size', 'sequence_parallel_size'), not both"
                 )
             return _from_mpu(mpu)
-        return _world_mesh(max(tensor_parallel, 1))
+        return _world_mesh(max(tensor_parallel, 1), sequence_parallel)
 
     @classmethod
     def world(cls) -> Topology:
         """The whole world as one data-parallel group (built once per process group)."""
-        return _world_mesh(1)
+        return _world_mesh(1, 1)
 
     @classmethod
     def from_mesh(cls, mesh: ProcessTopology) -> Topology:
-        """Groups for a (pipe, data, model) mesh. Collective the first time (every rank makes
+        """Groups for a mesh of (pipe, data, sequence, model) axes. Collective the first time (every rank makes
         every group, in order); later calls with the same mesh return the same groups, so a
         script can ask for them before building its tensor-parallel layers."""
         cached = getattr(mesh, "_shardspeed_topology", None)
@@ -210,15 +224,19 @@ class Topology:
             raise ValueError(
                 f"the topology {mesh} has {mesh.world_size()} ranks, the world {world}"
             )
-        unknown = set(mesh.axes) - {"pipe", "data", "model"}
+        unknown = set(mesh.axes) - {"pipe", "data", "sequence", "model"}
         if unknown:
             raise ValueError(f"axes {sorted(unknown)} of {mesh} are not supported")
         coord = mesh.get_coord(rank)._asdict()
         dp_group = subgroup(mesh.get_axis_comm_lists("data"))
         pipe_group = subgroup(mesh.get_axis_comm_lists("pipe"))
         tp_group = subgroup(mesh.get_axis_comm_lists("model"))
-        model_lists = [mesh.filter_match(data=d) for d in range(max(mesh.get_dim("data"), 1))]
-        mp_group = subgroup(model_lists)
+        # A replica (pipe x model, for the norm) and a sequence-data group (data x sequence) each
+        # fix the other axes.
+        mp_group = subgroup(_varying(mesh, ("pipe", "model")))
+        sequenced = mesh.get_dim("sequence") > 1
+        sp_group = subgroup(mesh.get_axis_comm_lists("sequence")) if sequenced else None
+        sdp_group = subgroup(_varying(mesh, ("data", "sequence"))) if sequenced else None
         topology = cls(
             rank=rank,
             world_size=world,
@@ -232,6 +250,10 @@ class Topology:
             tp_world_size=max(mesh.get_dim("model"), 1),
             tp_group=tp_group,
             mp_group=mp_group,
+            sp_rank=coord.get("sequence", 0),
+            sp_world_size=max(mesh.get_dim("sequence"), 1),
+            sp_group=sp_group,
+            sdp_group=sdp_group,
             mesh=mesh,
         )
         mesh._shardspeed_topology = topology
@@ -358,26 +380,26 @@ class Topology:
     def get_pipe_parallel_group(self) -> Any:
         return self.pipe_group
 
-    # Sequence parallelism is not built yet: one rank per sequence. ZeRO shards over the data
-    # and sequence ranks together, which is then the data-parallel group.
+    # With one rank per sequence, the sequence group is this rank alone and the sequence-data
+    # group is the data-parallel group.
 
     def get_sequence_parallel_rank(self) -> int:
-        return 0
+        return self.sp_rank
 
     def get_sequence_parallel_world_size(self) -> int:
-        return 1
+        return self.sp_world_size
 
     def get_sequence_parallel_group(self) -> Any:
-        return self.self_group()
+        return self.sp_group if self.sp_world_size > 1 else self.self_group()
 
     def get_sequence_data_parallel_rank(self) -> int:
-        return self.dp_rank
+        return dist.get_rank(self.sdp_group) if self.sp_world_size > 1 else self.dp_rank
 
     def get_sequence_data_parallel_world_size(self) -> int:
-        return self.dp_world_size
+        return self.dp_world_size * self.sp_world_size
 
     def get_sequence_data_parallel_group(self) -> Any:
-        return self.dp_group
+        return self.sdp_group if self.sp_world_size > 1 else self.dp_group
 
 
 class PipelineParallelGrid:
@@ -516,22 +538,24 @@ def _from_mpu(mpu: Any) -> Topology:
     )
 
 
-# The world's meshes by tensor-parallel size, each with the default group it was built in: a new
+# The world's meshes by (tensor, sequence) parallel size, each with the default group it was built in: a new
 # process group (after destroy and init) builds afresh, and holding the old one keeps its identity
 # from being reused meanwhile.
-_world_meshes: dict[int, tuple[Any, Topology]] = {}
+_world_meshes: dict[tuple[int, int], tuple[Any, Topology]] = {}
 
 
-def _world_mesh(tensor_parallel: int) -> Topology:
-    """The world as data x `tensor_parallel` (tensor-parallel ranks neighbours), validated and
-    built once per process group; data parallelism alone uses the default group itself."""
+def _world_mesh(tensor_parallel: int, sequence_parallel: int) -> Topology:
+    """The world as data x `tensor_parallel` or data x `sequence_parallel` (the inner ranks
+    neighbours), validated and built once per process group; data parallelism alone uses the
+    default group itself."""
     if not dist.is_initialized():
-        if tensor_parallel > 1:
+        if tensor_parallel > 1 or sequence_parallel > 1:
             raise ValueError(
-                "tensor parallelism needs the process group: call shardspeed.init_distributed()"
+                "tensor and sequence parallelism need the process group: call "
+                "shardspeed.init_distributed()"
             )
         return Topology(0, 1, 0, 1, None)
-    built = _world_meshes.get(tensor_parallel)
+    built = _world_meshes.get((tensor_parallel, sequence_parallel))
     if built is not None and built[0] is dist.group.WORLD:
         return built[1]
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -539,13 +563,33 @@ def _world_mesh(tensor_parallel: int) -> Topology:
         raise ValueError(
             f"tensor_parallel.autotp_size {tensor_parallel} must divide the world size {world}"
         )
-    if tensor_parallel == 1:
-        mesh = Topology(rank, world, rank, world, None)
-    else:
+    if sequence_parallel < 1 or world % sequence_parallel:
+        raise ValueError(
+            f"sequence_parallel_size {sequence_parallel} must divide the world size {world}"
+        )
+    if tensor_parallel > 1 and sequence_parallel > 1:
+        raise ValueError(
+            "sequence_parallel_size and tensor_parallel.autotp_size do not combine: choose one"
+        )
+    if sequence_parallel > 1:
+        layout = ProcessTopology(
+            ["data", "sequence"], [world // sequence_parallel, sequence_parallel]
+        )
+        mesh = Topology.from_mesh(layout)
+    elif tensor_parallel > 1:
         layout = PipeModelDataParallelTopology(1, tensor_parallel, world // tensor_parallel)
         mesh = Topology.from_mesh(layout)
-    _world_meshes[tensor_parallel] = (dist.group.WORLD, mesh)
+    else:
+        mesh = Topology(rank, world, rank, world, None)
+    _world_meshes[(tensor_parallel, sequence_parallel)] = (dist.group.WORLD, mesh)
     return mesh
+
+
+def _varying(mesh: ProcessTopology, axes: Sequence[str]) -> list[list[int]]:
+    """One list per setting of the axes not in `axes`: the ranks that vary along `axes` only."""
+    fixed_axes = [a for a in mesh.axes if a not in axes]
+    settings = itertools.product(*(range(mesh.get_dim(a)) for a in fixed_axes))
+    return [mesh.filter_match(**dict(zip(fixed_axes, values))) for values in settings]
 
 
 def _runs(lists: list[list[int]], size: int) -> list[list[int]]:

@@ -63,6 +63,17 @@ def _experts_refused(with_: str) -> Message:
     )
 
 
+def _sequence_parallel(config: ShardSpeedConfig) -> bool:
+    return config.sequence_parallel_size > 1
+
+
+def _sequence_refused(with_: str, instead: str) -> Message:
+    return lambda config, facts: (
+        f"'sequence_parallel_size' {config.sequence_parallel_size} does not combine with "
+        f"{with_} yet: {instead}"
+    )
+
+
 def _is_lamb(config: ShardSpeedConfig) -> bool:
     optimizer = config.optimizer
     return optimizer is not None and canonical_optimizer_name(optimizer.type) == "Lamb"
@@ -191,10 +202,46 @@ RULES: tuple[Rule, ...] = (
         needs=("moe_ep_sizes",),
     ),
     Rule(
+        "sequence parallelism without a pipeline",
+        "sequence_parallel_size",
+        lambda config, facts: _sequence_parallel(config) and bool(facts.pipeline_module),
+        _sequence_refused(
+            "pipeline parallelism (a PipelineModule)",
+            "train a plain model with sequence parallelism, or set 'sequence_parallel_size' 1",
+        ),
+        needs=("pipeline_module",),
+    ),
+    Rule(
+        "sequence parallelism without tensor parallelism",
+        "sequence_parallel_size",
+        lambda config, facts: _sequence_parallel(config) and config.tensor_parallel.autotp_size > 1,
+        _sequence_refused(
+            "tensor parallelism ('tensor_parallel.autotp_size')",
+            "choose one of the two (each splits attention over its heads)",
+        ),
+    ),
+    Rule(
+        "experts without sequence parallelism",
+        "sequence_parallel_size",
+        lambda config, facts: _sequence_parallel(config) and bool(_expert_sizes(facts)),
+        _experts_refused("sequence parallelism ('sequence_parallel_size')"),
+        needs=("moe_ep_sizes",),
+    ),
+    Rule(
+        "hybrid engine without sequence parallelism",
+        "sequence_parallel_size",
+        lambda config, facts: _sequence_parallel(config) and config.hybrid_engine.enabled,
+        _sequence_refused(
+            "the hybrid engine ('hybrid_engine.enabled'), whose generation runs whole sequences",
+            "disable the hybrid engine or set 'sequence_parallel_size' 1",
+        ),
+    ),
+    Rule(
         "compressed optimizers on plain data parallelism",
         "zero_optimization.stage",
         lambda config, facts: (
             _stage(config) > 0
+            or _sequence_parallel(config)
             or facts.pipeline_stages > 1
             or facts.tensor_parallel_size > 1
             or bool(facts.moe_ep_sizes)
@@ -202,7 +249,7 @@ RULES: tuple[Rule, ...] = (
         lambda config, facts: (
             f"{facts.compressed_optimizer} compresses the data-parallel gradient exchange itself: "
             "it works with ZeRO stage 0 and plain data parallelism only (as in DeepSpeed), not "
-            "with ZeRO stages 1-3, pipeline, tensor or expert parallelism: set "
+            "with ZeRO stages 1-3, pipeline, tensor, sequence or expert parallelism: set "
             "'zero_optimization.stage' 0, or choose another optimizer"
         ),
         needs=("compressed_optimizer", "pipeline_stages", "tensor_parallel_size", "moe_ep_sizes"),

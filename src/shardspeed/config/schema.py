@@ -668,8 +668,16 @@ class ShardSpeedConfig(StrictModel):
     dump_state: bool = False
     disable_python_gc: bool = False
     log_level: str | None = None
-    sequence_parallel_size: PositiveInt = 1
-    data_parallel_size: PositiveInt | None = None
+    sequence_parallel_size: PositiveInt = Field(
+        1,
+        description="ranks that split one sequence (Ulysses or ring attention), consecutive "
+        "ranks as in DeepSpeed; the data-parallel size of the batch arithmetic is the world "
+        "size over it, and ZeRO shards over data x sequence ranks",
+    )
+    data_parallel_size: PositiveInt | None = Field(
+        None,
+        description="must equal the world size over 'sequence_parallel_size' when given",
+    )
     seq_parallel_communication_data_type: Literal["fp16", "bf16", "fp32"] = "fp32"
     use_data_before_expert_parallelism: bool = False
     vocabulary_size: PositiveInt | None = None
@@ -702,9 +710,6 @@ class ShardSpeedConfig(StrictModel):
         "managed_gradient_accumulation": NOT_PLANNED,
         "disable_python_gc": NOT_PLANNED,
         "log_level": NOT_PLANNED,
-        "sequence_parallel_size": NOT_PLANNED,
-        "data_parallel_size": "the data-parallel size follows from the world size and "
-        "'tensor_parallel.autotp_size'",
         "seq_parallel_communication_data_type": NOT_PLANNED,
         "vocabulary_size": NOT_PLANNED,
         "data_efficiency": NOT_PLANNED,
@@ -712,8 +717,9 @@ class ShardSpeedConfig(StrictModel):
         "comet": f"{NOT_PLANNED}: use csv_monitor, tensorboard or wandb",
         "expert_parallel": NOT_PLANNED + " (DeepSpeed's AutoEP, which converts Hugging Face MoE "
         "blocks; build the model with shardspeed.moe.layer.MoE instead)",
-        "sequence_parallel": "sequence parallelism (Ulysses, ALST) is not built yet; this is "
-        "LLaMA-Factory's section for it",
+        "sequence_parallel": "LLaMA-Factory's ALST section (its Ulysses wrapper for Hugging Face "
+        "attention, tiled MLP and loss) is not built; shardspeed's own sequence parallelism is "
+        "set with 'sequence_parallel_size' (see docs/sequence-parallel.md)",
         "weight_quantization": NOT_PLANNED,
         "datastates": NOT_PLANNED,
     }

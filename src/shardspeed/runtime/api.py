@@ -53,18 +53,15 @@ def initialize(
     """Build the engine, as `deepspeed.initialize`: returns (engine, optimizer, dataloader, scheduler)."""
     if model is None:
         raise ValueError("initialize() needs a model")
-    if mesh_param is not None:
-        raise ConfigError(
-            "mesh_param (DeepSpeed's data x sequence-parallel device mesh) is not supported: "
-            "use 'tensor_parallel.autotp_size' or a PipelineModule's topology"
-        )
     source = _config_source(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     pipelined = isinstance(model, PipelineModule)
     if pipelined and mpu is not None:
         raise ValueError("a PipelineModule brings its own topology: do not pass mpu as well")
     config_dict = source if isinstance(source, dict) else read_config_source(source)
-    run_config, topology, autotp_size = _configure(model, mpu, config_dict)
+    run_config, topology, autotp_size = _configure(
+        model, mpu, _with_mesh_param(config_dict, mesh_param)
+    )
     # The combination rules that need the model, before anything (tensor-parallel splitting
     # included) touches it.
     refuse_combinations(
@@ -109,15 +106,52 @@ def _configure(
     def data_parallel_size(config: Any) -> int:
         nonlocal topology, autotp_size
         autotp_size = _tensor_parallel_size(model, config)
-        # A PipelineModule brings its topology; asking for automatic tensor parallelism as well
-        # is refused with the other combinations.
-        topology = model.topo if pipelined else comm.Topology.build(mpu, autotp_size)
+        # A PipelineModule brings its topology; asking for automatic tensor or sequence
+        # parallelism as well is refused with the other combinations.
+        topology = (
+            model.topo
+            if pipelined
+            else comm.Topology.build(mpu, autotp_size, config.sequence_parallel_size)
+        )
+        if config.data_parallel_size not in (None, topology.dp_world_size):
+            raise ConfigError(
+                f"'data_parallel_size' is {config.data_parallel_size}, but the world of "
+                f"{topology.world_size} ranks with 'sequence_parallel_size' "
+                f"{topology.sp_world_size} has {topology.dp_world_size} data-parallel ranks: "
+                "correct it or leave it out"
+            )
         return topology.dp_world_size
 
     run_config = load_config(config_dict, data_parallel_size)
     comm.use_collective_timeout(run_config.comms_timeout_s)
     groups.use_topology(topology)
     return run_config, topology, autotp_size
+
+
+def _with_mesh_param(config_dict: dict[str, Any], mesh_param: Any) -> dict[str, Any]:
+    """The config with DeepSpeed's `mesh_param=(data, sequence)` written in as
+    'sequence_parallel_size' and 'data_parallel_size' (checked against the world with the
+    rest), refusing a config that says otherwise."""
+    if mesh_param is None:
+        return config_dict
+    if (
+        not isinstance(mesh_param, (tuple, list))
+        or len(mesh_param) != 2
+        or not all(isinstance(size, int) and size >= 1 for size in mesh_param)
+    ):
+        raise ConfigError(
+            f"mesh_param must be (data-parallel size, sequence-parallel size), two positive "
+            f"integers, got {mesh_param!r}"
+        )
+    merged = dict(config_dict)
+    for key, size in zip(("data_parallel_size", "sequence_parallel_size"), mesh_param):
+        if merged.get(key, size) != size:
+            raise ConfigError(
+                f"mesh_param={tuple(mesh_param)} but the config says '{key}': {merged[key]}: "
+                "make them agree or give one of the two"
+            )
+        merged[key] = size
+    return merged
 
 
 def _components(model: nn.Module, run_config: ShardSpeedConfig) -> list[Callable[[Any], Any]]:
@@ -140,12 +174,13 @@ def _log_run(run_config: ShardSpeedConfig, topology: comm.Topology) -> None:
         f" standing in for deepspeed {DEEPSPEED_VERSION}" if alias.is_installed() else "",
     )
     logger.info(
-        "world size %d (data %d x pipeline %d x tensor %d), batch %d = micro %d x "
-        "accumulation %d x %d ranks",
+        "world size %d (data %d x pipeline %d x tensor %d x sequence %d), batch %d = micro %d "
+        "x accumulation %d x %d ranks",
         topology.world_size,
         topology.dp_world_size,
         topology.num_stages,
         topology.tp_world_size,
+        topology.sp_world_size,
         run_config.train_batch_size,
         run_config.train_micro_batch_size_per_gpu,
         run_config.gradient_accumulation_steps,

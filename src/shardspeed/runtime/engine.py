@@ -50,7 +50,6 @@ from ..precision import build_loss_scaler
 from ..profiling.flops_profiler import FlopsProfiler
 from ..profiling.flops_profiler.observer import ProfiledStep
 from ..zero import (
-    AioOptions,
     GatherOptions,
     OffloadOptions,
     ReduceOptions,
@@ -204,6 +203,7 @@ class ShardSpeedEngine(nn.Module):
             overlap=zero.overlap_comm is not False,
             reduce_scatter=zero.reduce_scatter,
             average=config.gradient_allreduce_op == "mean",
+            sequence_parallel=self.topology.sp_world_size,
         )
         gather = GatherOptions(
             bucket_elements=zero.allgather_bucket_size,
@@ -216,14 +216,15 @@ class ShardSpeedEngine(nn.Module):
             loss_scaler=scaler,
             gradient_clipping=config.gradient_clipping,
             skip_nonfinite=bool(config.bf16.check_grad_overflow),
-            dp_group=self.topology.dp_group,
-            dp_rank=self.topology.dp_rank,
-            dp_world_size=self.topology.dp_world_size,
+            # Every sequence rank holds the whole model: ZeRO shards over data x sequence ranks.
+            dp_group=self.topology.get_sequence_data_parallel_group(),
+            dp_rank=self.topology.get_sequence_data_parallel_rank(),
+            dp_world_size=self.topology.get_sequence_data_parallel_world_size(),
             reduce=reduce,
             gather=gather,
             ignore_unused_parameters=zero.ignore_unused_parameters,
-            stage3=stage3_options(zero),
-            offload=offload_options(config),
+            stage3=Stage3Options.from_config(zero),
+            offload=OffloadOptions.from_config(config),
             grad_dtype=_DTYPES.get(config.data_types.grad_accum_dtype),
             **self._sharding_layout(),
         )
@@ -263,13 +264,16 @@ class ShardSpeedEngine(nn.Module):
         collate_fn: Callable | None = None,
         num_local_io_workers: int | None = None,
     ) -> DistributedDataLoader:
-        """A loader giving each data-parallel rank its own micro-batches, as DeepSpeed's does."""
+        """A loader giving each data-parallel rank its own micro-batches, as DeepSpeed's does.
+        Under sequence parallelism each rank of a sequence group has its own too: wrapped in
+        `UlyssesSPDataLoaderAdapter`, the group then trains on each of them in turn."""
         del route
+        topo = self.topology
         return DistributedDataLoader(
             dataset,
             batch_size or self.train_micro_batch_size_per_gpu(),
-            self.topology.dp_rank,
-            self.topology.dp_world_size,
+            topo.get_sequence_data_parallel_rank(),
+            topo.get_sequence_data_parallel_world_size(),
             collate_fn=collate_fn,
             drop_last=self.run_config.dataloader_drop_last,
             num_workers=num_local_io_workers or 0,
@@ -677,6 +681,17 @@ _ACCESSORS: dict[str, tuple[str | Callable[[Any], Any], bool, Any]] = {
     "world_size": ("topology.world_size", True, _ALWAYS),
     "dp_world_size": ("topology.dp_world_size", True, _ALWAYS),
     "mp_world_size": ("topology.tp_world_size", True, _ALWAYS),
+    "sequence_parallel_size": ("topology.sp_world_size", True, _ALWAYS),
+    "seq_dp_world_size": (
+        lambda engine: engine.topology.get_sequence_data_parallel_world_size(),
+        True,
+        _ALWAYS,
+    ),
+    "get_sequence_parallel_group": (
+        lambda engine: engine.topology.get_sequence_parallel_group(),
+        False,
+        _ALWAYS,
+    ),
     "local_rank": (lambda engine: get_local_rank(), True, _ALWAYS),
     "is_compiled": ("_is_compiled", True, _ALWAYS),
     "loss_scale": ("optimizer.loss_scale", True, 1.0),
@@ -769,33 +784,6 @@ def _refuse_replaced(engine: ShardSpeedEngine, call: str) -> None:
 DeepSpeedEngine = ShardSpeedEngine
 
 
-def offload_options(config: ShardSpeedConfig) -> OffloadOptions:
-    """`zero_optimization.offload_optimizer`, `sub_group_size` and `aio` for the optimizer."""
-    zero, aio = config.zero_optimization, config.aio
-    if zero.stage == 0:
-        # The loader warned that offloading acts only from stage 1 (parameters: stage 3).
-        return OffloadOptions()
-    offload = zero.offload_optimizer
-    return OffloadOptions(
-        device=offload.device,
-        nvme_path=offload.nvme_path,
-        pin_memory=offload.pin_memory,
-        buffer_count=offload.buffer_count,
-        pipeline_read=offload.pipeline_read,
-        pipeline_write=offload.pipeline_write,
-        sub_group_size=zero.sub_group_size,
-        param_device=zero.offload_param.device,
-        param_nvme_path=zero.offload_param.nvme_path,
-        aio=AioOptions(
-            block_size=aio.block_size,
-            queue_depth=aio.queue_depth,
-            thread_count=aio.intra_op_parallelism,
-            single_submit=aio.single_submit,
-            overlap_events=aio.overlap_events,
-        ),
-    )
-
-
 # Param-group settings torch's optimizers read as numbers; a string there fails only inside the
 # first step's kernel, far from the group that carries it.
 _NUMERIC_GROUP_KEYS = ("lr", "weight_decay", "eps", "momentum", "dampening", "alpha", "lr_decay")
@@ -859,28 +847,6 @@ def _cast_module(
             for name, buffer in module.named_buffers(recurse=False):
                 if buffer.is_floating_point():
                     setattr(module, name, buffer.to(buffer_dtype))
-
-
-def stage3_options(zero: Any) -> Stage3Options:
-    """The `zero_optimization` keys that shape stage 3's gather units and their lifetimes."""
-    leaf = zero.leaf_module
-    defaults = type(leaf)()
-    required = [
-        *(c for c in leaf.classes if c not in defaults.classes),
-        *leaf.names,
-        *leaf.name_suffixes,
-    ]
-    return Stage3Options(
-        persistence_threshold=zero.stage3_param_persistence_threshold,
-        model_persistence_threshold=zero.stage3_model_persistence_threshold,
-        prefetch_elements=zero.stage3_prefetch_bucket_size,
-        max_live_elements=zero.stage3_max_live_parameters,
-        max_reuse_distance=zero.stage3_max_reuse_distance,
-        leaf_classes=tuple(leaf.classes),
-        leaf_names=tuple(leaf.names),
-        leaf_name_suffixes=tuple(leaf.name_suffixes),
-        leaf_required=tuple(required),
-    )
 
 
 def _device() -> torch.device:

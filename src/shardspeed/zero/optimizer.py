@@ -67,6 +67,9 @@ class ReduceOptions:
     overlap: bool = True
     reduce_scatter: bool = True
     average: bool = True  # false: DeepSpeed's gradient_allreduce_op "sum"
+    # Ranks of the group that split one sequence: their gradients are parts of one sample's, so
+    # they are summed, and only the replicas averaged (the group's size over this), as DeepSpeed.
+    sequence_parallel: int = 1
 
 
 class ZeroOptimizer:
@@ -403,7 +406,7 @@ def _build_reducer(plan: ShardPlan, stores: Stores, options: ReduceOptions) -> G
     """The reducer over the plan's layout: all-reduce, or reduce to the shards' owners; a shard
     accumulator takes each bucket's own part as it is reduced."""
     data = plan.places[0]
-    pre, post = _reduce_scales(options, data.world)
+    pre, post = _reduce_scales(options, data.world // options.sequence_parallel)
     grads = stores.grads
     accumulates = grads.reduces_every_micro_step
     return GradientReducer(

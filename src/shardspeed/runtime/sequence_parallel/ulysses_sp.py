@@ -1,0 +1,179 @@
+"""Sequence-sharded batches and their loss (DeepSpeed's `runtime.sequence_parallel.ulysses_sp`).
+
+The rule that makes sequence-parallel training equal whole-sequence training:
+
+- Labels are shifted before the sequence is cut (`shift_labels[t]` is `labels[t + 1]`, the last
+  position ignored), so a slice's last token is scored against the next slice's first label.
+- Each sequence rank's loss is the sum of its slice's per-token losses divided by the labelled
+  tokens of the whole batch across the sequence group (`shard_cross_entropy`). The ranks' losses
+  add up to the whole sequence's mean token loss, and so do their gradients.
+- The engine sums gradients over the sequence ranks and averages them over the data-parallel
+  replicas (it divides the data x sequence sum by the data-parallel size, as DeepSpeed does).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ... import comm
+from ...sequence import shard_load_balanced
+
+IGNORE_INDEX = -100
+
+
+def shard_batch(
+    batch: dict[str, Any], sp_rank: int, sp_world_size: int, load_balanced: bool = False
+) -> dict[str, Any]:
+    """This rank's slice of `batch` along the sequence (dim 1 of every tensor), with `labels`
+    replaced by `shift_labels` shifted before the cut. Contiguous slices in rank order suit
+    Ulysses (`DistributedAttention`); `load_balanced` gives chunks r and 2P-1-r, the layout causal
+    `ring_attention` needs. Other entries are kept as they are."""
+    if "labels" not in batch or "position_ids" not in batch:
+        raise ValueError(
+            "a sequence-parallel batch needs 'labels' and 'position_ids' (for unpacked "
+            "sequences, torch.arange(seq_len) per sample): each token keeps its global position "
+            "and its next-token label after the sequence is cut"
+        )
+    seq_len = batch["input_ids"].shape[1] if "input_ids" in batch else batch["labels"].shape[1]
+    if seq_len % sp_world_size:
+        raise ValueError(
+            f"the sequence length {seq_len} is not a multiple of the sequence-parallel size "
+            f"{sp_world_size}: pad the batch's sequences to a multiple of {sp_world_size}"
+        )
+    whole = dict(batch)
+    labels = whole.pop("labels")
+    whole["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    sliced = {}
+    for key, value in whole.items():
+        if not torch.is_tensor(value):
+            sliced[key] = value
+        elif value.dim() < 2 or value.shape[1] != seq_len:
+            raise ValueError(
+                f"batch['{key}'] has shape {tuple(value.shape)}: every tensor of a "
+                f"sequence-parallel batch is [batch, {seq_len}, ...] like the labels"
+            )
+        elif load_balanced:
+            sliced[key] = shard_load_balanced(value, 1, sp_rank, sp_world_size)
+        else:
+            sliced[key] = value.chunk(sp_world_size, dim=1)[sp_rank]
+    return sliced
+
+
+def shard_cross_entropy(
+    logits: torch.Tensor, shift_labels: torch.Tensor, sp_group: Any
+) -> torch.Tensor:
+    """This rank's part of the whole batch's mean next-token loss: the summed cross-entropy of
+    its slice (labels `IGNORE_INDEX` skipped) over the labelled tokens of every slice in
+    `sp_group`. Summed over the group it is the whole sequence's loss; each rank backpropagates
+    its own part (see the module docstring). Collective over `sp_group`."""
+    summed = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        shift_labels.reshape(-1).to(logits.device),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    tokens = (shift_labels != IGNORE_INDEX).sum().to(device=logits.device, dtype=torch.float32)
+    comm.all_reduce(tokens, group=sp_group)
+    return summed / tokens.clamp(min=1.0)
+
+
+class UlyssesSPDataLoaderAdapter:
+    """DeepSpeed's adapter: wraps a loader whose every rank yields its own batches
+    (`[batch, seq, ...]` tensors with `input_ids`, `labels`, `position_ids`), and makes the
+    sequence group train on each of them in turn.
+
+    Each refill takes one batch from every rank of `sp_group`; the next `sp_world_size` items are
+    this rank's slice (`shard_batch`) of rank 0's batch, then rank 1's, and so on. So `len()` is
+    the wrapped loader's length times `sp_world_size`, and `sp_world_size` items equal one step of
+    plain data parallelism. Slices are on the host, as DeepSpeed leaves them; `device` is where
+    the exchange runs. `load_balanced` (a shardspeed addition) cuts the ring-attention layout.
+    """
+
+    def __init__(
+        self,
+        dl: Iterable[dict[str, Any]],
+        sp_rank: int,
+        sp_group: Any,
+        sp_world_size: int,
+        device: Any,
+        *,
+        load_balanced: bool = False,
+    ) -> None:
+        self.dl = dl
+        self.sp_rank, self.sp_group, self.sp_world_size = sp_rank, sp_group, sp_world_size
+        self.device = torch.device(device)
+        self.load_balanced = load_balanced
+        self.iter = iter(dl)
+        self.micro_batches: deque[dict[str, Any]] = deque()
+
+    def __len__(self) -> int:
+        return len(self.dl) * self.sp_world_size
+
+    def __iter__(self) -> UlyssesSPDataLoaderAdapter:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if not self.micro_batches:
+            self.refill()
+        return self.micro_batches.popleft()
+
+    def refill(self) -> None:
+        """Gather one batch from every rank of the group and queue this rank's slices of them.
+        At the end of the wrapped loader it restarts it (the next epoch) and stops this one."""
+        try:
+            batch = next(self.iter)
+        except StopIteration:
+            self.iter = iter(self.dl)
+            raise
+        for gathered in self._gather(batch):
+            self.micro_batches.append(
+                {
+                    key: value.cpu() if torch.is_tensor(value) else value
+                    for key, value in shard_batch(
+                        gathered, self.sp_rank, self.sp_world_size, self.load_balanced
+                    ).items()
+                }
+            )
+
+    def _gather(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every group rank's batch, in rank order. Sequence lengths may differ between ranks (each
+        tensor goes out padded to the longest and comes back trimmed); the other dimensions of a
+        key must agree."""
+        if "position_ids" not in batch:
+            raise ValueError(
+                "Ulysses sequence parallelism needs 'position_ids' in every batch, so that each "
+                "token keeps its global position after the sequence is cut: add them in the "
+                "data collator (torch.arange(seq_len) per unpacked sample)"
+            )
+        seq_len = batch["input_ids"].shape[1]
+        lengths = torch.zeros(self.sp_world_size, dtype=torch.int64, device=self.device)
+        lengths[self.sp_rank] = seq_len
+        comm.all_reduce(lengths, group=self.sp_group)
+        lengths_list = lengths.tolist()
+        longest = max(lengths_list)
+        batches: list[dict[str, Any]] = [{} for _ in range(self.sp_world_size)]
+        for key, value in batch.items():
+            if torch.is_tensor(value):
+                if value.dim() < 2 or value.shape[1] != seq_len:
+                    raise ValueError(
+                        f"batch['{key}'] has shape {tuple(value.shape)}, but input_ids has "
+                        f"sequence length {seq_len}: every tensor is [batch, seq, ...]"
+                    )
+                padded = value.new_zeros((value.shape[0], longest, *value.shape[2:]))
+                padded[:, :seq_len] = value
+                padded = padded.to(self.device)
+                received = [torch.empty_like(padded) for _ in lengths_list]
+                comm.all_gather(received, padded, group=self.sp_group)
+                pieces: list[Any] = [r[:, :n] for r, n in zip(received, lengths_list)]
+            else:
+                pieces = [None] * self.sp_world_size
+                dist.all_gather_object(pieces, value, group=self.sp_group)
+            for rank_batch, piece in zip(batches, pieces):
+                rank_batch[key] = piece
+        return batches
