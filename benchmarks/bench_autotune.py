@@ -8,7 +8,7 @@ gloo on CPU).
    TUNE.json being the demo's config with `train_batch_size` fixed at the demo's 32, every ZeRO
    stage allowed and an `autotuning` section; the tuner's summary.json gives each trial's measured
    and estimated throughput and memory. A tuner run that other processes disturbed is rerun
-   (`--tune-retries`); the least disturbed is kept.
+   (twice at most); the least disturbed is kept.
 2. The demo's config and the chosen `ds_config_optimal.json` in alternating rounds, timed by the
    engine's meter over steps `--warmup`+1 .. `--warmup`+`--steps`; median samples/s.
 `--quick`: stages 0 and 3 only, one round.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import shlex
 import socket
 import subprocess
@@ -39,22 +38,18 @@ SCENARIO = h.Scenario(
     warmup=5,
     steps=20,
     rounds=5,
-    options={
-        "--trial-start": dict(type=int, default=3, help="trials' start_profile_step (3)"),
-        "--trial-end": dict(type=int, default=10, help="trials' end_profile_step (10)"),
-        "--early-stopping": dict(type=int, default=20, help="tuner_early_stopping (20: none)"),
-        "--micro-batch-sizes": dict(type=int, default=5, help="num_tuning_micro_batch_sizes"),
-        "--miss-threshold": dict(type=float, default=0.10, help="itemise trials missed by this"),
-        "--tune-retries": dict(type=int, default=2, help="reruns of a disturbed tuner run"),
-        "--max-window-load": dict(type=float, default=0.25, help="cores, in a timed window"),
-    },
-    quick={"rounds": 1, "steps": 5, "tune_retries": 0},
+    quick={"rounds": 1, "steps": 5},
 )
 DEMO_SCRIPT = h.REPO / "examples" / "train_gpt.py"
 DEMO_CONFIG = h.REPO / "examples" / "ds_config.json"
 LAUNCHER = Path(sys.executable).parent / "shardspeed"
 WORLD = 2
 DEMO_TRAIN_BATCH = 32  # the demo's train_micro_batch_size_per_gpu 16 x 2 processes x 1 step
+# The tuner's settings: its trials' profiled steps, no early stop, micro-batch sizes to try.
+TUNING = {"start_profile_step": 3, "end_profile_step": 10, "tuner_early_stopping": 20}
+TUNING["num_tuning_micro_batch_sizes"] = 5
+TUNE_RETRIES = 2  # reruns of a disturbed tuner run (none with --quick)
+MISS_THRESHOLD = 0.10  # the trials missed by more than this are itemised
 
 
 def tune_config(args) -> dict:
@@ -64,12 +59,7 @@ def tune_config(args) -> dict:
     config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": "all"}
     if args.quick:
         config["zero_optimization"]["stage"] = [0, 3]
-    config["autotuning"] = {
-        "start_profile_step": args.trial_start,
-        "end_profile_step": args.trial_end,
-        "tuner_early_stopping": args.early_stopping,
-        "num_tuning_micro_batch_sizes": args.micro_batch_sizes,
-    }
+    config["autotuning"] = dict(TUNING)
     return config
 
 
@@ -79,41 +69,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def own_cpu_s() -> float:
     """CPU seconds of this process and of every live descendant (the launcher, torchrun, the
     ranks), each with its reaped children's, from /proc: what the benchmark itself used."""
     parents, cpu = {}, {}
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
+        with contextlib.suppress(OSError, ValueError):
             text = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2 :].split()  # after the command name, which may hold ")"
-        pid = int(entry.name)
-        parents[pid] = int(fields[1])
-        cpu[pid] = sum(int(value) for value in fields[11:15])  # utime stime cutime cstime
+            fields = text[text.rindex(")") + 2 :].split()  # the command name may hold ")"
+            parents[int(entry.name)] = int(fields[1])
+            cpu[int(entry.name)] = sum(map(int, fields[11:15]))  # utime stime cutime cstime
     tree, frontier = {os.getpid()}, [os.getpid()]
-    children: dict[int, list[int]] = {}
-    for pid, parent in parents.items():
-        children.setdefault(parent, []).append(pid)
     while frontier:
-        for child in children.get(frontier.pop(), []):
-            if child not in tree:
-                tree.add(child)
-                frontier.append(child)
+        parent = frontier.pop()
+        for child in [pid for pid, p in parents.items() if p == parent and pid not in tree]:
+            tree.add(child)
+            frontier.append(child)
     return sum(cpu.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
 
 
 class LoadSampler:
-    """Machine-wide busy CPU time (/proc/stat) and the benchmark's own (`own_cpu_s`) every 0.5 s,
-    in a thread, so that the CPU other processes used in any time window can be looked up."""
+    """Machine-wide busy CPU time (/proc/stat) and the benchmark's own (`own_cpu_s`) at the start,
+    every 0.5 s in a thread, and at the end, so that the CPU other processes used in any time
+    window can be looked up."""
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, float, float]] = []
@@ -124,11 +102,11 @@ class LoadSampler:
         self.samples.append((time.time(), h.machine_busy_s(), own_cpu_s()))
 
     def _run(self) -> None:
-        self._sample()
         while not self._stop.wait(0.5):
             self._sample()
 
     def __enter__(self) -> LoadSampler:
+        self._sample()
         self._thread.start()
         return self
 
@@ -147,24 +125,23 @@ class LoadSampler:
         (t0, busy0, own0), (t1, busy1, own1) = before[-1], after[0]
         return max(0.0, (busy1 - busy0 - (own1 - own0)) / (t1 - t0))
 
+    def before(self, path: Path, seconds: float) -> float | None:
+        """Cores other processes used in the `seconds` before `path` was written (a measured
+        window: the engine writes its metrics right after the window's last step)."""
+        end = path.stat().st_mtime
+        return self.others(end - seconds, end)
 
-def window_load(sampler: LoadSampler, metrics_path: Path, seconds: float) -> float | None:
-    """Cores other processes used during a measured window: the `seconds` before `metrics_path`
-    was written (the engine writes it right after the window's last step)."""
-    end = metrics_path.stat().st_mtime
-    return sampler.others(end - seconds, end)
 
-
-def run_measured(argv: list[str], cwd: Path, log: Path, sampler: LoadSampler | None = None) -> dict:
-    """Run `argv`; its wall time, exit status, and the cores other processes used meanwhile."""
-    busy0, own0, t0 = h.machine_busy_s(), children_cpu_s(), time.perf_counter()
+def run_measured(argv: list[str], cwd: Path, log: Path) -> tuple[dict, LoadSampler]:
+    """Run `argv`: its wall time, exit status, and the cores
+    other processes used meanwhile; and the sampler, for the load of windows within it."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log, "w") as out, sampler or contextlib.nullcontext():
+    with open(log, "w") as out, LoadSampler() as sampler:
+        t0 = time.time()
         code = subprocess.run(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    wall = time.perf_counter() - t0
-    own = children_cpu_s() - own0
-    foreign = max(0.0, (h.machine_busy_s() - busy0 - own) / wall)
-    return {"returncode": code.returncode, "wall_s": wall, "foreign_cores": foreign}
+        t1 = time.time()
+    foreign = sampler.others(t0, t1) or 0.0
+    return {"returncode": code.returncode, "wall_s": t1 - t0, "foreign_cores": foreign}, sampler
 
 
 def launch_argv(port: int, config: Path, out: Path, tune: bool) -> list[str]:
@@ -179,13 +156,13 @@ def launch_argv(port: int, config: Path, out: Path, tune: bool) -> list[str]:
 
 
 def run_tuner(args, tmp: Path) -> dict:
-    """The tuner, after waiting for an idle machine; rerun (`args.tune_retries` times, within
+    """The tuner, after waiting for an idle machine; rerun (TUNE_RETRIES times, within
     `args.budget`) when other processes used more than `args.max_other_load` cores during it, or
-    more than `args.max_window_load` cores during a calibration trial's timed window
+    more than that during a calibration trial's timed window
     (a disturbed calibration spoils every estimate), since its trials cannot wait for quiet one by
     one. The least disturbed run is kept."""
     runs, started = [], time.perf_counter()
-    for attempt in range(args.tune_retries + 1):
+    for attempt in range(1 if args.quick else 1 + TUNE_RETRIES):
         directory = tmp / f"tune{attempt}"
         directory.mkdir()
         config = directory / "ds_config_tune.json"
@@ -194,8 +171,7 @@ def run_tuner(args, tmp: Path) -> dict:
             h.wait_idle(6 * args.wait_idle)
         argv = launch_argv(free_port(), config, tmp / "run", tune=True)
         print(f"tuning: {shlex.join(argv)}", flush=True)
-        sampler = LoadSampler()
-        run = run_measured(argv, directory, directory / "tune.log", sampler)
+        run, sampler = run_measured(argv, directory, directory / "tune.log")
         if run["returncode"] != 0:
             log = tail(directory / "tune.log")
             raise SystemExit(f"the tuner failed (exit {run['returncode']}):\n{log}")
@@ -205,8 +181,8 @@ def run_tuner(args, tmp: Path) -> dict:
             path = directory / "autotuning_exps" / row["name"] / "metrics.json"
             if row["measured_throughput"] and path.exists():
                 window = row["train_batch"] / row["measured_throughput"]
-                window *= args.trial_end - args.trial_start + 1
-                loads[row["name"]] = window_load(sampler, path, window)
+                window *= TUNING["end_profile_step"] - TUNING["start_profile_step"] + 1
+                loads[row["name"]] = sampler.before(path, window)
         calibration = [
             loads.get(row["name"]) or 0.0 for row in summary["trials"] if row["calibration"]
         ]
@@ -220,7 +196,7 @@ def run_tuner(args, tmp: Path) -> dict:
         )
         quiet = (
             run["foreign_cores"] <= args.max_other_load
-            and run["calibration_load"] <= args.max_window_load
+            and run["calibration_load"] <= args.max_other_load
         )
         if quiet or time.perf_counter() - started > args.budget:
             break
@@ -303,13 +279,12 @@ def measure_config(args, tmp: Path, base: dict, label: str, tag: str) -> dict:
     if args.wait_idle > 0:
         h.wait_idle(args.wait_idle)
     argv = launch_argv(free_port(), path, tmp / "run", tune=False)
-    sampler = LoadSampler()
-    run = run_measured(argv, directory, directory / "log.txt", sampler)
+    run, sampler = run_measured(argv, directory, directory / "log.txt")
     metrics_path = directory / "metrics.json"
     if not metrics_path.exists():
         return {**run, "error": f"exit {run['returncode']}", "log": tail(directory / "log.txt")}
     metrics = json.loads(metrics_path.read_text())
-    load = window_load(sampler, metrics_path, metrics["step_time_s"] * args.steps)
+    load = sampler.before(metrics_path, metrics["step_time_s"] * args.steps)
     return {**run, **metrics, "window_load": load or 0.0}
 
 
@@ -327,7 +302,7 @@ def alternate(args, tmp: Path, configs: dict[str, dict]) -> tuple[dict[str, list
                 result = measure_config(args, tmp, configs[label], label, f"r{round_}a{attempt}")
                 quiet = (
                     result.get("foreign_cores", 0) <= args.max_other_load
-                    and result.get("window_load", 0) <= args.max_window_load
+                    and result.get("window_load", 0) <= args.max_other_load
                 )
                 if "error" in result or quiet:
                     break
@@ -409,7 +384,7 @@ def measure(scenario, args) -> dict:
         "tuner": tuned["run"],
         "loads": tuned["loads"],
         "replayed": replayed_estimates(tuned["summary"], tuned["dir"]),
-        "missed": missed(tuned["summary"], tuned["dir"], args.miss_threshold),
+        "missed": missed(tuned["summary"], tuned["dir"], MISS_THRESHOLD),
     }
 
 
@@ -469,25 +444,16 @@ def summary_table(results: dict, means: dict) -> str:
     per_round = ", ".join(f"{c['throughput'] / d['throughput']:.3f}" for d, c in pairs)
     speeds = f"{render.fmt(chosen, '.1f')} / {render.fmt(default, '.1f')} samples/s"
     tuner = results["tuner"]
-    loads = [tuner["foreign_cores"], tuner["calibration_load"]]
-    rows = [
-        ["chosen", results["summary"]["best"]],
-        [
-            "throughput chosen / default",
-            f"{render.ratio(chosen, default)} ({speeds}; per round {per_round})",
-        ],
-        [
-            f"mean abs throughput error, {means['scored']} trials after calibration",
-            f"{share(means, 'throughput')} (largest {share(means, 'largest')})",
-        ],
-        ["the same, fit to the calibration trials only", share(means, "calibration")],
-        ["the same, one-point model", share(means, "one_point")],
-        ["mean abs memory error", share(means, "memory")],
-        [
-            "tuner wall time, other load during it (cores), in calibration windows",
-            f"{tuner['wall_s']:.0f}s, " + ", ".join(f"{x:.2f}" for x in loads),
-        ],
-    ]
+    loads = ", ".join(f"{x:.2f}" for x in (tuner["foreign_cores"], tuner["calibration_load"]))
+    speedup = f"{render.ratio(chosen, default)} ({speeds}; per round {per_round})"
+    error = f"{share(means, 'throughput')} (largest {share(means, 'largest')})"
+    rows = [["chosen", results["summary"]["best"]], ["throughput chosen / default", speedup]]
+    rows.append([f"mean abs throughput error, {means['scored']} trials after calibration", error])
+    rows.append(["the same, fit to the calibration trials only", share(means, "calibration")])
+    rows.append(["the same, one-point model", share(means, "one_point")])
+    rows.append(["mean abs memory error", share(means, "memory")])
+    load_label = "tuner wall time, other load during it (cores), in calibration windows"
+    rows.append([load_label, f"{tuner['wall_s']:.0f}s, {loads}"])
     return render.table(["measure", "value"], rows)
 
 
@@ -515,17 +481,13 @@ def model_table(summary: dict) -> str:
     micro = ", ".join(f"stage {s} {1000 * t:.2f}" for s, t in fitted["micro_step_s"].items())
     opt = fitted["optimizer_s_per_param"]
     bandwidth = fitted["bus_bandwidth_bytes_per_s"]
+    bus = f"{bandwidth / 1e9:.3f}" if bandwidth else "- (one data-parallel rank)"
+    opt_text = f"{1e9 * opt:.2f} ({1000 * opt * fitted['num_params']:.2f})"
     rows = [
         ["per sample, forward and backward (ms)", f"{1000 * per_sample:.2f}"],
         ["per micro-step (ms; other stages take the nearest's)", micro],
-        [
-            "optimizer, ns a parameter updated (ms at stage 0)",
-            f"{1e9 * opt:.2f} ({1000 * opt * fitted['num_params']:.2f})",
-        ],
-        [
-            "bus bandwidth (GB/s)",
-            f"{bandwidth / 1e9:.3f}" if bandwidth else "- (one data-parallel rank)",
-        ],
+        ["optimizer, ns a parameter updated (ms at stage 0)", opt_text],
+        ["bus bandwidth (GB/s)", bus],
         ["activations a sample (MiB)", mib(fitted["activation_bytes_per_sample"])],
         ["besides model states and activations (MiB)", mib(fitted["runtime_bytes"])],
     ]

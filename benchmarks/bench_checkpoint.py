@@ -34,11 +34,10 @@ SCENARIO = h.Scenario(
     options={
         "--repeats": dict(type=int, default=3, help="saves and loads per mode (default 3)"),
         "--small": dict(action="store_true", help="the ~5M-parameter model (what --quick runs)"),
-        "--dir": dict(default="/tmp", help="where the checkpoints go (default /tmp)"),
-        "--warm-cache": dict(action="store_true", help="load from the page cache"),
     },
     quick={"steps": 1, "rounds": 1, "repeats": 1, "small": True},
 )
+CHECKPOINT_DIR = Path("/tmp/bench_checkpoint")
 PAIRS = [(2, "ours_s2", "deepspeed_s2"), (3, "ours_s3", "deepspeed_s3")]
 # Where each ZeRO optimizer keeps this rank's fp32 master tensors: shardspeed, DeepSpeed stage 3,
 # DeepSpeed stages 1-2.
@@ -159,15 +158,14 @@ def worker(mode: str, args) -> dict:
     name = mode.split("_")[0]
     lib = h.library(name)
     rank, _world = h.setup(args.threads)
-    root = Path(args.dir) / "bench_checkpoint"
     stage = 0 if mode == "ours_reshard" else int(mode[-1])
     result = {"stage": stage, "saves": [], "flushes": [], "loads": [], "bytes": [], "checks": []}
     result |= {"files": [], "content": {}}
     windows = h.Window()
     if mode == "ours_reshard":
-        reshard_loads(lib, args, root / "ours_s3", windows, result)
+        reshard_loads(lib, args, CHECKPOINT_DIR / "ours_s3", windows, result)
     else:
-        save_and_load((name, lib), args, mode, root / mode, windows, result, rank)
+        save_and_load((name, lib), args, mode, CHECKPOINT_DIR / mode, windows, result, rank)
     return result | windows.result() | {"peak_rss_mib": h.peak_rss_mib()}
 
 
@@ -200,8 +198,7 @@ def save_and_load(libs, args, mode: str, root: Path, windows, result: dict, rank
                 result["content"] = {f.name: content_summary(f) for f in files}
                 result["outside_tag"] = [str(f.relative_to(root)) for f in tag_files(root)]
                 result["outside_tag"] = [n for n in result["outside_tag"] if tag not in n]
-            if not args.warm_cache:
-                drop_cached(files)
+            drop_cached(files)
         fresh, _ = make_engine(name, args, result["stage"], fresh=True)
         with windows:
             path, _client = fresh.load_checkpoint(str(root), tag=tag)
@@ -236,8 +233,7 @@ def reshard_loads(lib, args, root: Path, windows, result: dict) -> None:
     result["bytes"] = [sum(f.stat().st_size for f in files)] * args.repeats
     result["files"] = [[f.name, f.stat().st_size] for f in files]
     for _ in range(args.repeats):
-        if not args.warm_cache:
-            drop_cached(files)
+        drop_cached(files)
         fresh, result["params"] = make_engine("ours", args, 0, fresh=True)
         with windows:
             fresh.load_checkpoint(str(root), tag=tags[-1].name)

@@ -32,15 +32,8 @@ SCENARIO = h.Scenario(
     },
     quick={"warmup": 2, "steps": 3, "rounds": 1},
 )
-LLAMA = {
-    "vocab_size": h.VOCAB,
-    "hidden_size": 256,
-    "intermediate_size": 688,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": h.SEQ,
-}
+LLAMA = dict(vocab_size=h.VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4)
+LLAMA |= dict(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=h.SEQ)
 
 
 def worker(mode: str, args) -> dict:

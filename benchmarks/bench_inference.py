@@ -17,6 +17,7 @@ shardspeed and DeepSpeed). `--steps` is the timed repetitions, `--warmup` the wa
 from __future__ import annotations
 
 import contextlib
+import itertools
 import statistics
 import time
 import traceback
@@ -57,17 +58,17 @@ MIB = 2**20
 TRAIN_TOKENS = 64  # the training step between generations: micro batch 1 of this many tokens
 
 
+# The generation sizes of a run, by --small: new tokens, batch sizes, batching's requests and
+# their prompt and new-token length ranges, the version check's new tokens.
+SHAPE_KEYS = ("new", "batches", "requests", "prompt_range", "new_range", "check_new")
+SHAPES = {
+    True: (4, (1, 2), 6, (4, 20), (2, 10), 4),
+    False: (64, (1, 4), 32, (8, 128), (8, 128), 16),
+}
+
+
 def shape(small: bool) -> dict:
-    """The generation sizes of a run (small with --small)."""
-    if small:
-        return {"new": 4, "batches": (1, 2), "requests": 6, "prompt_range": (4, 20)} | {
-            "new_range": (2, 10),
-            "check_new": 4,
-        }
-    return {"new": 64, "batches": (1, 4), "requests": 32, "prompt_range": (8, 128)} | {
-        "new_range": (8, 128),
-        "check_new": 16,
-    }
+    return dict(zip(SHAPE_KEYS, SHAPES[small]))
 
 
 def zero3_config(inference_tp: int, hybrid: bool = True) -> dict:
@@ -92,25 +93,16 @@ class Recorder:
         self.window.start()
 
     def result(self) -> dict:
-        if hasattr(self.window, "begin"):
-            self.window.stop()
-            self.data |= self.window.result()
-        return self.data | {"peak_rss_mib": h.peak_rss_mib()}
+        self.window.stop()
+        return self.data | self.window.result() | {"peak_rss_mib": h.peak_rss_mib()}
 
 
 def build_model():
     """The GPT-2 of every mode, built from the same seed (so the same weights everywhere)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=N_POSITIONS,
-        n_embd=N_EMBD,
-        n_layer=N_LAYER,
-        n_head=N_HEAD,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
+    sizes = dict(vocab_size=VOCAB, n_positions=N_POSITIONS, n_embd=N_EMBD, n_layer=N_LAYER)
+    config = GPT2Config(**sizes, n_head=N_HEAD, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(h.MODEL_SEED)
     return GPT2LMHeadModel(config).eval()
 
@@ -133,13 +125,7 @@ def workload(n: int, prompt_range, new_range) -> list[tuple[list[int], int]]:
 
 def weight_bytes(module) -> int:
     """Bytes of the module's parameters and buffers, each storage once."""
-    seen, total = set(), 0
-    for t in [*module.parameters(), *module.buffers()]:
-        s = t.untyped_storage()
-        if s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
-            total += s.nbytes()
-    return total
+    return h.Census().add("w", [*module.parameters(), *module.buffers()]).bytes["w"]
 
 
 def hf_kwargs(ids: torch.Tensor, new: int) -> dict:
@@ -224,13 +210,11 @@ def failure(e: BaseException) -> dict:
     if frames:
         # The innermost frame in a library under test (torch's own frames say less).
         libs = ("deepspeed/", "shardspeed/", "transformers/")
-        inside = [f for f in frames if any(lib in f.filename for lib in libs)]
-        f = (inside or frames)[-1]
-        name = f.filename
-        for marker in ("site-packages/", "src/"):
-            if marker in name:
-                name = name.split(marker, 1)[1]
-                break
+        f = ([f for f in frames if any(lib in f.filename for lib in libs)] or frames)[-1]
+        name = next(
+            (f.filename.split(m, 1)[1] for m in ("site-packages/", "src/") if m in f.filename),
+            f.filename,
+        )
         where = f"{name}:{f.lineno}"
     first = (str(e).strip().splitlines() or [""])[0][:300]
     return {"error": f"{type(e).__name__}: {first}", "where": where}
@@ -243,118 +227,88 @@ def gathered_bytes(volume: dict) -> tuple[int, int]:
     return calls, nbytes
 
 
-def worker_zero3(args, rec: Recorder, rank: int, world: int, barrier) -> None:
+def worker_zero3(args, rec: Recorder, rank: int, world: int) -> None:
     """Part 1, shardspeed: naive generation through ZeRO-3 (inference_tp_size 1 only) and
-    `engine.generate`, first call and steady state, then a training step between generations."""
+    `engine.generate`, first call and steady state; then the version check: generate, a training
+    step, generate twice (the inference copy is rebuilt once per weight version, and the tokens
+    follow the weights)."""
     import shardspeed
     from shardspeed.comm import comm_volume, reset_comm_volume
 
     itp = 2 if args.worker == "zero3_tp2" else 1
     sh = shape(args.small)
-    new = sh["new"]
     model = build_model()
     rec.data["params"] = sum(p.numel() for p in model.parameters())
-    cfg = zero3_config(itp)
-    rec.data["config"] = cfg
+    rec.data["config"] = cfg = zero3_config(itp)
     engine, *_ = shardspeed.initialize(model=model, config=cfg)
     engine.eval()  # dropout off for the naive path (the hybrid copy is in eval mode anyway)
-    rec.start()
-    parts: dict = {}
-    rec.data["batches"] = parts
 
-    def timed(fn):
-        barrier()
+    def naive(ids, n):
+        with torch.no_grad():
+            return engine.module.generate(ids, **hf_kwargs(ids, n))
+
+    def hybrid(ids, n):
+        return engine.generate(ids, max_new_tokens=n, do_sample=False)
+
+    def timed(fn) -> tuple[list, dict]:
+        """fn()'s new tokens, and its seconds, all-gathers and inference copies built."""
+        stats = engine.generation_stats
+        built, gather_s = stats["copies_built"], stats["gather_s"]
+        h.barrier()
         reset_comm_volume()
         t0 = time.perf_counter()
         out = fn()
-        barrier()
-        return out, time.perf_counter() - t0, gathered_bytes(comm_volume())
+        h.barrier()
+        t = {"s": time.perf_counter() - t0, "copies_built": engine.generation_stats["copies_built"]}
+        t["built"] = t["copies_built"] - built
+        t["gather_s"] = engine.generation_stats["gather_s"] - gather_s
+        t["gather_calls"], t["gather_bytes"] = gathered_bytes(comm_volume())
+        return out[:, PROMPT:].tolist(), t
 
+    rec.start()
+    rec.data["batches"] = parts = {}
     for b in sh["batches"]:
         ids = prompts(b, rank)
-        row: dict = {"batch": b}
-        parts[str(b)] = row
+        row = parts[str(b)] = {"batch": b}
         if itp == 1:
-            with torch.no_grad():
-                out, t, (calls, nbytes) = timed(
-                    lambda ids=ids: engine.module.generate(ids, **hf_kwargs(ids, new))
-                )
-            row["naive"] = {"s": t, "gather_calls": calls, "gather_bytes": nbytes}
-            row["naive_tokens"] = out[:, PROMPT:].tolist()
-        runs = []
-        for i in range(1 + args.steps):
-            built0 = engine.generation_stats["copies_built"]
-            gather0 = engine.generation_stats["gather_s"]
-            out, t, (calls, nbytes) = timed(
-                lambda ids=ids: engine.generate(ids, max_new_tokens=new, do_sample=False)
-            )
-            runs.append(
-                {
-                    "s": t,
-                    "built": engine.generation_stats["copies_built"] - built0,
-                    "gather_s": engine.generation_stats["gather_s"] - gather0,
-                    "gather_calls": calls,
-                    "gather_bytes": nbytes,
-                }
-            )
-            if i == 0:
-                row["hybrid_tokens"] = out[:, PROMPT:].tolist()
-            elif out[:, PROMPT:].tolist() != row["hybrid_tokens"]:
-                row["hybrid_repeat_differs"] = True
-        row["hybrid_first"] = runs[0]
-        row["hybrid_steady"] = runs[1:]
-        if "naive_tokens" in row:
+            row["naive_tokens"], row["naive"] = timed(lambda ids=ids: naive(ids, sh["new"]))
+        runs = [timed(lambda ids=ids: hybrid(ids, sh["new"])) for _ in range(1 + args.steps)]
+        row["hybrid_tokens"], row["hybrid_first"] = runs[0]
+        row["hybrid_steady"] = [t for _, t in runs[1:]]
+        if any(tokens != row["hybrid_tokens"] for tokens, _ in runs[1:]):
+            row["hybrid_repeat_differs"] = True
+        if itp == 1:
+            pairs = zip(row["naive_tokens"], row["hybrid_tokens"])
             row["identical"] = row["naive_tokens"] == row["hybrid_tokens"]
-            row["rows_identical"] = sum(
-                a == b for a, b in zip(row["naive_tokens"], row["hybrid_tokens"])
-            )
+            row["rows_identical"] = sum(a == b for a, b in pairs)
 
-    rec.data["version_check"] = version_check(engine, sh["check_new"], rank, itp, timed)
-    rec.data["generation_stats"] = dict(engine.generation_stats)
+    ids, cn, seq = prompts(1, rank), sh["check_new"], []
 
+    def generate(label: str) -> list[int]:
+        tokens, t = timed(lambda: hybrid(ids, cn))
+        seq.append({"label": label} | t)
+        return tokens[0]
 
-def version_check(engine, cn: int, rank: int, itp: int, timed) -> dict:
-    """Generate, a training step, generate twice: the inference copy is rebuilt once per weight
-    version, and the tokens follow the weights (`timed(fn)`: (out, seconds, gathers))."""
-    ids = prompts(1, rank)
-    seq = []
-
-    def gen_once(label: str) -> list[int]:
-        built0 = engine.generation_stats["copies_built"]
-        gather0 = engine.generation_stats["gather_s"]
-        out, t, _ = timed(lambda: engine.generate(ids, max_new_tokens=cn, do_sample=False))
-        seq.append(
-            {
-                "label": label,
-                "s": t,
-                "built": engine.generation_stats["copies_built"] - built0,
-                "copies_built": engine.generation_stats["copies_built"],
-                "gather_s": engine.generation_stats["gather_s"] - gather0,
-            }
-        )
-        return out[0, PROMPT:].tolist()
-
-    before = gen_once("generate (weights v0)")
+    before = generate("generate (weights v0)")
     engine.train()
-    gen = torch.Generator().manual_seed(500 + rank)
-    x = torch.randint(0, VOCAB, (1, TRAIN_TOKENS), generator=gen)
+    x = torch.randint(
+        0, VOCAB, (1, TRAIN_TOKENS), generator=torch.Generator().manual_seed(500 + rank)
+    )
     loss = engine(input_ids=x, labels=x).loss
     engine.backward(loss)
     engine.step()
     engine.eval()
-    after = gen_once("generate after one training step (weights v1)")
-    again = gen_once("generate again (weights v1)")
+    after = generate("generate after one training step (weights v1)")
+    again = generate("generate again (weights v1)")
     check: dict = {"sequence": seq, "loss": loss.item(), "new_tokens": cn}
-    check["changed_after_step"] = before != after
-    check["repeat_same"] = after == again
+    check |= {"changed_after_step": before != after, "repeat_same": after == again}
     if itp == 1:
-        with torch.no_grad():
-            naive_after = engine.module.generate(ids, **hf_kwargs(ids, cn))[0, PROMPT:].tolist()
-        check["naive_after_identical"] = naive_after == after
-    return check
+        check["naive_after_identical"] = naive(ids, cn)[0, PROMPT:].tolist() == after
+    rec.data["version_check"] = check
+    rec.data["generation_stats"] = dict(engine.generation_stats)
 
 
-def worker_deepspeed_zero3(args, rec: Recorder, rank: int, world: int, barrier) -> None:
+def worker_deepspeed_zero3(args, rec: Recorder, rank: int, world: int) -> None:
     """Part 1, DeepSpeed: its hybrid engine (expected not to run on CPU), then naive generation
     through its ZeRO-3 engine."""
     import deepspeed
@@ -374,7 +328,7 @@ def worker_deepspeed_zero3(args, rec: Recorder, rank: int, world: int, barrier) 
         rec.data["hybrid"] = {"ran": True}
     except Exception as e:
         rec.data["hybrid"] = failure(e)
-    barrier()
+    h.barrier()
     try:
         model = build_model()
         engine, *_ = deepspeed.initialize(
@@ -384,12 +338,11 @@ def worker_deepspeed_zero3(args, rec: Recorder, rank: int, world: int, barrier) 
         naive = {}
         for b in sh["batches"]:
             ids = prompts(b, rank)
-            barrier()
+            h.barrier()
             t0 = time.perf_counter()
-            with torch.no_grad():
-                out = engine.module.generate(ids, **hf_kwargs(ids, new))
-            barrier()
-            naive[str(b)] = {"s": time.perf_counter() - t0, "tokens": out[:, PROMPT:].tolist()}
+            tokens = hf_form(engine.module.generate)(ids, new)
+            h.barrier()
+            naive[str(b)] = {"s": time.perf_counter() - t0, "tokens": tokens}
             rec.data["naive"] = naive
     except Exception as e:
         rec.data["naive"] = failure(e)
@@ -435,63 +388,41 @@ def generation_path(name: str, shared):
         }
         return model, hf_form(eng.generate), info
     if name == "deepspeed":
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
-        model = build_model()
-        eng = deepspeed.init_inference(
-            model,
-            tensor_parallel={"tp_size": 1},
-            dtype=torch.float32,
-            replace_with_kernel_inject=False,
-        )
+        eng = deepspeed_inference(1)
         return eng.module, hf_form(eng.generate), {"engine": type(eng).__module__}
     raise ValueError(name)
 
 
-def worker_single(args, rec: Recorder) -> None:
+def worker_single(args, rec: Recorder, _rank: int, _world: int) -> None:
     """Part 2: the generation paths of one process, interleaved over the repetitions."""
     sh = shape(args.small)
-    new = sh["new"]
     shared = build_model()  # hf, engine and direct: init_inference at fp32 leaves it as it is
-    methods: dict = {}
-
     rec.data["weights_fp32_bytes"] = weight_bytes(shared)
+    out, paths = rec.data.setdefault("methods", {}), {}
     for name in METHOD_LABELS:
         try:
             module, call, info = generation_path(name, shared)
-            entry = {"call": call, "clock": ForwardClock(module), "module": module}
-            methods[name] = entry
-            rec.data.setdefault("methods", {})[name] = {
-                "weight_bytes": weight_bytes(module),
-                "info": info,
-                "runs": {},
-            }
+            paths[name] = (module, call, ForwardClock(module))
+            out[name] = {"weight_bytes": weight_bytes(module), "info": info, "runs": {}}
         except Exception as e:
-            rec.data.setdefault("methods", {})[name] = failure(e)
-    # Warm-up: every method at every batch size, a few tokens.
-    for _ in range(args.warmup):
-        for m in methods.values():
-            for b in sh["batches"]:
-                with contextlib.suppress(Exception):
-                    m["call"](prompts(b, 0), 4)
+            out[name] = failure(e)
+    for _ in range(args.warmup):  # every path at every batch size, a few tokens
+        for (_module, call, _clock), b in itertools.product(paths.values(), sh["batches"]):
+            with contextlib.suppress(Exception):
+                call(prompts(b, 0), 4)
     rec.start()
     for _rep in range(args.steps):
-        for name, m in list(methods.items()):
-            out_m = rec.data["methods"][name]
+        for name, (module, call, clock) in list(paths.items()):
             for b in sh["batches"]:
                 ids = prompts(b, 0)
                 try:
-                    tokens, timing = m["clock"].timed(lambda m=m, ids=ids: m["call"](ids, new))
+                    tokens, timing = clock.timed(lambda call=call, ids=ids: call(ids, sh["new"]))
                 except Exception as e:
-                    rec.data["methods"][name] = {
-                        **failure(e),
-                        "weight_bytes": weight_bytes(m["module"]),
-                    }
-                    methods.pop(name)
+                    out[name] = failure(e) | {"weight_bytes": weight_bytes(module)}
+                    del paths[name]
                     break
-                out_m["runs"].setdefault(str(b), []).append(timing)
-                out_m.setdefault("tokens", {})[str(b)] = tokens
+                out[name]["runs"].setdefault(str(b), []).append(timing)
+                out[name].setdefault("tokens", {})[str(b)] = tokens
     rec.data["kernel"] = int8_kernel_times(args.small)
 
 
@@ -525,7 +456,7 @@ def int8_kernel_times(small: bool) -> dict:
     return out
 
 
-def worker_batching(args, rec: Recorder) -> None:
+def worker_batching(args, rec: Recorder, _rank: int, _world: int) -> None:
     """Part 3: continuous against static batching on the mixed-length workload."""
     import dataclasses
 
@@ -552,11 +483,9 @@ def worker_batching(args, rec: Recorder) -> None:
             b.add_request(p, SamplingParams(max_new_tokens=4))
         b.run()
     rec.start()
-    runs: dict = {"continuous": [], "static": []}
-    rec.data["runs"] = runs
+    runs = rec.data["runs"] = {"continuous": [], "static": []}
     results: dict = {}
-    reps = max(1, min(args.steps, 2))
-    for rep in range(reps):
+    for rep in range(max(1, min(args.steps, 2))):
         order = ("continuous", "static") if rep % 2 == 0 else ("static", "continuous")
         for kind in order:
             batcher = ContinuousBatcher(
@@ -587,28 +516,24 @@ def worker_batching(args, rec: Recorder) -> None:
     rec.data["tokens_generated"] = sum(len(t) for t in results["continuous"])
 
 
-def deepspeed_tp(world: int, policy: bool):
-    """DeepSpeed's init_inference at tensor parallelism `world` (`policy`: GPT-2's row layers named)."""
+def deepspeed_inference(tp: int, policy: bool = False):
+    """DeepSpeed's init_inference at fp32 and tensor parallelism `tp` (`policy`: GPT-2's row
+    layers named)."""
     import deepspeed
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     deepspeed.init_distributed(dist_backend="gloo")
-    kw = {}
-    if policy:
-        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-
-        kw["injection_policy"] = {GPT2Block: ("attn.c_proj", "mlp.c_proj")}
-    model = build_model()
-    eng = deepspeed.init_inference(
-        model,
-        tensor_parallel={"tp_size": world},
+    kw = {"injection_policy": {GPT2Block: ("attn.c_proj", "mlp.c_proj")}} if policy else {}
+    return deepspeed.init_inference(
+        build_model(),
+        tensor_parallel={"tp_size": tp},
         dtype=torch.float32,
         replace_with_kernel_inject=False,
         **kw,
     )
-    return eng.module, eng.generate
 
 
-def worker_tp(args, rec: Recorder, rank: int, world: int, barrier) -> None:
+def worker_tp(args, rec: Recorder, rank: int, world: int) -> None:
     """Part 4: batch-1 latency at tensor parallelism `world`, shardspeed then DeepSpeed."""
     import torch.distributed as dist
 
@@ -617,8 +542,7 @@ def worker_tp(args, rec: Recorder, rank: int, world: int, barrier) -> None:
 
     new = shape(args.small)["new"]
     ids = prompts(1, 0)  # every rank of the group the same prompt
-    impls: dict = {}
-    rec.data["impls"] = impls
+    impls = rec.data["impls"] = {}
     rec.start()
 
     def measure(name: str, make) -> None:
@@ -627,20 +551,14 @@ def worker_tp(args, rec: Recorder, rank: int, world: int, barrier) -> None:
         except Exception as e:
             impls[name] = failure(e)
             return
-        clock = ForwardClock(module)
-
-        def call(n):
-            with torch.no_grad():
-                return gen_fn(ids, **hf_kwargs(ids, n))[:, PROMPT:].tolist()
-
-        entry: dict = {"weight_bytes": weight_bytes(module), "runs": []}
-        impls[name] = entry
+        clock, call = ForwardClock(module), hf_form(gen_fn)
+        entry = impls[name] = {"weight_bytes": weight_bytes(module), "runs": []}
         try:
             for _ in range(args.warmup):
-                call(4)
+                call(ids, 4)
             for i in range(args.steps):
                 reset_comm_volume()  # shardspeed's collectives only: the first call's are kept
-                tokens, timing = clock.timed(lambda: call(new), barrier)
+                tokens, timing = clock.timed(lambda: call(ids, new), h.barrier)
                 if name == "ours" and i == 0:
                     entry["comm"] = comm_volume()
                 entry["runs"].append(timing)
@@ -653,17 +571,21 @@ def worker_tp(args, rec: Recorder, rank: int, world: int, barrier) -> None:
         eng = init_inference(model, tensor_parallel={"tp_size": world}, dtype=torch.float32)
         return model, eng.generate
 
+    def deepspeed(policy: bool = False):
+        eng = deepspeed_inference(world, policy)
+        return eng.module, eng.generate
+
     measure("ours", ours)
-    barrier()
-    measure("deepspeed", lambda: deepspeed_tp(world, False))
+    h.barrier()
+    measure("deepspeed", deepspeed)
     if world > 1:
-        barrier()
-        measure("deepspeed_policy", lambda: deepspeed_tp(world, True))
+        h.barrier()
+        measure("deepspeed_policy", lambda: deepspeed(policy=True))
         # The all-reduce a row-parallel layer does at batch 1 decode: [1, 1, n_embd] fp32.
         x = torch.ones(1, 1, N_EMBD)
         for _ in range(20):
             dist.all_reduce(x)
-        barrier()
+        h.barrier()
         n = 50 if args.small else 400
         t0 = time.perf_counter()
         for _ in range(n):
@@ -671,24 +593,20 @@ def worker_tp(args, rec: Recorder, rank: int, world: int, barrier) -> None:
         rec.data["allreduce_us"] = 1e6 * (time.perf_counter() - t0) / n
 
 
+WORKERS = {"zero3": worker_zero3, "zero3_tp2": worker_zero3}
+WORKERS |= {"deepspeed_zero3": worker_deepspeed_zero3, "single": worker_single}
+WORKERS |= {"batching": worker_batching, "tp1": worker_tp, "tp2": worker_tp}
+WORKERS["tp1_2threads"] = worker_tp
+
+
 def worker(mode: str, args) -> dict:
     threads = 2 if mode == "tp1_2threads" else args.threads
-    rank, world = h.setup(threads, init=world_of(mode) > 1 or mode.startswith(("zero3", "deep")))
+    rank, world = h.setup(threads, init=SCENARIO.modes[mode] > 1)
     if mode == "deepspeed_zero3":
         h.library("deepspeed")
     rec = Recorder()
-    if mode in ("single", "batching"):
-        (worker_single if mode == "single" else worker_batching)(args, rec)
-    else:
-        fn = worker_tp if mode.startswith("tp") else worker_zero3
-        (worker_deepspeed_zero3 if mode == "deepspeed_zero3" else fn)(
-            args, rec, rank, world, h.barrier
-        )
+    WORKERS[mode](args, rec, rank, world)
     return rec.result() | {"shape": shape(args.small), "threads": threads}
-
-
-def world_of(mode: str) -> int:
-    return SCENARIO.modes[mode]
 
 
 # --------------------------------------------------------------------------------------------

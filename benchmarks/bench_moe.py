@@ -342,16 +342,11 @@ def time_table(results: dict) -> str:
 
 
 def tables(results: dict) -> dict:
-    return {
-        "ratios": render.ratio_table(results, SCENARIO.comparisons),
-        "throughput": throughput_table(results),
-        "modes": render.mode_table(results),
-        "memory": memory_table(results),
-        "comm": comm_load_table(results),
-        "time": time_table(results),
-        "losses": render.loss_lines(results, "ours_dp", 1e-5),
-        "run": render.run_line(results),
-    }
+    own = {"memory": memory_table(results), "comm": comm_load_table(results)}
+    own["time"] = time_table(results)
+    return render.training_tables(
+        results, SCENARIO.comparisons, throughput_table(results), own, 1e-5
+    )
 
 
 if __name__ == "__main__":

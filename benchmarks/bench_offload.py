@@ -34,20 +34,13 @@ SCENARIO = h.Scenario(
     presets={"--headline": ("headline",)},
     options={
         "--pieces": dict(type=int, default=8, help="master tensors per rank (default 8)"),
-        "--buffer-count": dict(type=int, default=4, help="offload buffer_count (default 4)"),
-        "--nvme-dir": dict(default="/tmp", help="where the swap files go (default /tmp)"),
         "--small": dict(action="store_true", help="the ~5M-parameter model (what --quick runs)"),
     },
     quick={"warmup": 2, "steps": 2, "rounds": 1, "small": True},
 )
 # DeepSpeed's aio defaults, written out so that the config in BENCHMARKS.md is the whole story.
-AIO = {
-    "block_size": 1048576,
-    "queue_depth": 8,
-    "intra_op_parallelism": 1,
-    "single_submit": False,
-    "overlap_events": True,
-}
+AIO = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1}
+AIO |= {"single_submit": False, "overlap_events": True}
 # The headline model (about 2.46B parameters) and its steps; --quick: a tiny one.
 HEADLINE = dict(n_embd=2560, n_layer=31, n_head=20, block_size=64)
 HEADLINE_SMALL = dict(n_embd=64, n_layer=2, n_head=2, block_size=64)
@@ -84,7 +77,7 @@ def offload_config(mode: str, args, sizes: list[int], swap: str) -> dict:
         zero["offload_optimizer"] = {
             "device": "nvme",
             "nvme_path": swap,
-            "buffer_count": args.buffer_count,
+            "buffer_count": 4,
             "pipeline_read": pipelined,
             "pipeline_write": pipelined,
         }
@@ -198,7 +191,7 @@ class StepProbe:
 def worker(mode: str, args) -> dict:
     rank, _world = h.setup(args.threads)
     # One swap directory per run (MASTER_PORT is the same on both ranks), removed at the end.
-    swap = Path(args.nvme_dir) / f"bench_offload_swap_{os.environ['MASTER_PORT']}"
+    swap = Path("/tmp") / f"bench_offload_swap_{os.environ['MASTER_PORT']}"
     swap.mkdir(parents=True, exist_ok=True)
     try:
         result = (headline if mode == "headline" else offload_steps)(rank, args, mode, str(swap))

@@ -39,12 +39,8 @@ def config(optimizer: str, freeze: int) -> dict:
     if optimizer == "OneBitAdam":
         params |= {"freeze_step": freeze, "comm_backend_name": "gloo"}
     elif optimizer == "ZeroOneAdam":
-        params |= {
-            "var_freeze_step": freeze,
-            "local_step_scaler": 4,
-            "local_step_clipper": 4,
-            "comm_backend_name": "gloo",
-        }
+        params |= {"var_freeze_step": freeze, "local_step_scaler": 4, "local_step_clipper": 4}
+        params["comm_backend_name"] = "gloo"
     # No clipping: 1-bit Adam's momentum must not be rescaled against the frozen variance.
     return h.config(8, optimizer={"type": optimizer, "params": params}, gradient_clipping=0.0)
 
@@ -109,16 +105,8 @@ def worker(mode: str, args) -> dict:
     losses = h.loss_curve(rec.pop("losses"))
     # tokens/s from the mean step of the compressed window: 0/1 Adam's steps are not alike.
     result["tokens_per_s"] = 1e3 * 16 * h.SEQ / statistics.fmean(rec["steps_ms"][args.warmup :])
-    return (
-        result
-        | rec
-        | {
-            **losses,
-            "freeze": freeze,
-            "lib": lib,
-            "params": h.local_numel(model.parameters()),
-        }
-    )
+    params = h.local_numel(model.parameters())
+    return result | rec | losses | {"freeze": freeze, "lib": lib, "params": params}
 
 
 def windows(freeze: int, n: int) -> dict[str, slice]:

@@ -20,6 +20,7 @@ MS = (2, 4, 8)
 GLOBAL_BATCH = 16
 PIPE_MODES = [f"pipe_{s}_m{m}" for s in SCHEDULES for m in MS] + [f"dspipe_m{m}" for m in MS]
 DP_MODES = ["ours_dp", "ddp", "fsdp2", "deepspeed_dp"]
+VS_DEEPSPEED = "shardspeed pipeline 1F1B vs DeepSpeed pipeline (1F1B)"
 SCENARIO = h.Scenario(
     name="pipe",
     section="## Pipeline parallelism (2 stages) vs data parallelism",
@@ -27,15 +28,7 @@ SCENARIO = h.Scenario(
     warmup=2,
     steps=8,
     comparisons=[
-        *[
-            (
-                f"pipe_1f1b_m{m}",
-                f"dspipe_m{m}",
-                1.0,
-                f"m={m}: shardspeed pipeline 1F1B vs DeepSpeed pipeline (1F1B)",
-            )
-            for m in MS
-        ],
+        *[(f"pipe_1f1b_m{m}", f"dspipe_m{m}", 1.0, f"m={m}: {VS_DEEPSPEED}") for m in MS],
         ("pipe_1f1b_m8", "ddp", None, "m=8: shardspeed pipeline 1F1B vs torch DDP"),
         ("pipe_1f1b_m8", "fsdp2", None, "m=8: shardspeed pipeline 1F1B vs torch FSDP2"),
         ("ours_dp", "ddp", 1.0, "shardspeed DP (stage 0) vs torch DDP"),
@@ -87,14 +80,8 @@ def ours_pipeline(world: int, schedule: str, m: int, timer: PassTimer, rank: int
     from shardspeed.pipe.schedule import max_in_flight, train_schedule
 
     name, chunks = SCHEDULES[schedule]
-    model = pipe.PipelineModule(
-        h.pipe_layers(pipe, h.gpt_block().__class__, h.lm_config()),
-        num_stages=world,
-        loss_fn=h.pipe_loss,
-        seed_layers=True,
-        base_seed=h.MODEL_SEED,
-        virtual_stages=chunks,
-    )
+    block = h.gpt_block().__class__
+    model = h.pipeline_module(pipe, world, block, h.lm_config(), virtual_stages=chunks)
     cfg = h.config(GLOBAL_BATCH // m, gradient_accumulation_steps=m, pipeline={"schedule": name})
     engine, *_ = shardspeed.initialize(model=model, config=cfg)
     part = next(p for p in engine.components if isinstance(p, PipelineSchedule))
@@ -113,14 +100,8 @@ def deepspeed_pipeline(world: int, m: int, timer: PassTimer):
 
     deepspeed.init_distributed(dist_backend="gloo")
     # seed_fn: DeepSpeed's default fails on Python 3.11 (numpy integers to random.seed).
-    model = pipe.PipelineModule(
-        h.pipe_layers(pipe, h.gpt_block().__class__, h.lm_config()),
-        num_stages=world,
-        loss_fn=h.pipe_loss,
-        seed_layers=True,
-        seed_fn=torch.manual_seed,
-        base_seed=h.MODEL_SEED,
-    )
+    block = h.gpt_block().__class__
+    model = h.pipeline_module(pipe, world, block, h.lm_config(), seed_fn=torch.manual_seed)
     model.seed_layers = False  # else it reseeds every layer in every forward
     cfg = h.config(GLOBAL_BATCH // m, gradient_accumulation_steps=m)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -135,7 +116,6 @@ def deepspeed_pipeline(world: int, m: int, timer: PassTimer):
 
 
 def worker(mode: str, args) -> dict:
-
     kind, schedule, m = parse_mode(mode)
     rank, world = h.setup(args.threads)
     batches = h.progression_batches(args.warmup + args.steps, GLOBAL_BATCH)
@@ -178,23 +158,13 @@ def worker(mode: str, args) -> dict:
         resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults[0]
     ) / args.steps
     result |= h.loss_curve(steps["loss"], kind == "dp")
-    timed_steps = slice(args.warmup, None)
-    result |= extra | {
-        "kind": kind,
-        "m": m,
-        "params_local": h.local_numel(
-            engine.module.parameters() if kind != "dp" else model.parameters()
-        ),
-    }
+    params = (engine.module if kind != "dp" else model).parameters()
+    result |= extra | {"kind": kind, "m": m, "params_local": h.local_numel(params)}
     if kind != "dp":
-        result |= {
-            "bubble_steps": steps["bubble"][timed_steps],
-            "busy_steps": steps["busy"][timed_steps],
-            "window_steps": steps["window"][timed_steps],
-            "peak_live": max(steps["live"][timed_steps])
-            if kind == "ours"
-            else int(engine.num_pipe_buffers),
-        }
+        after_warmup = {k: steps[k][args.warmup :] for k in ("bubble", "busy", "window")}
+        result |= {f"{k}_steps": v for k, v in after_warmup.items()}
+        live = steps["live"][args.warmup :]
+        result["peak_live"] = max(live) if kind == "ours" else int(engine.num_pipe_buffers)
     if mode.startswith("ours") or kind == "ours":
         mem = engine.memory_breakdown()
         result["model_state_bytes"] = mem["total"] - mem["buffers"]
@@ -302,15 +272,10 @@ def bubble_table(results: dict) -> str:
 
 
 def tables(results: dict) -> dict:
-    return {
-        "ratios": render.ratio_table(results, SCENARIO.comparisons),
-        "throughput": throughput_table(results),
-        "modes": render.mode_table(results),
-        "memory": memory_table(results),
-        "bubble": bubble_table(results),
-        "losses": render.loss_lines(results, "ours_dp", 1e-4),
-        "run": render.run_line(results),
-    }
+    own = {"memory": memory_table(results), "bubble": bubble_table(results)}
+    return render.training_tables(
+        results, SCENARIO.comparisons, throughput_table(results), own, 1e-4
+    )
 
 
 if __name__ == "__main__":

@@ -50,21 +50,13 @@ SCENARIO = h.Scenario(
         ("ours_dp", "fsdp2", None, "shardspeed DP2 vs torch FSDP2"),
     ],
 )
-LAYER_SPECS = [
-    {
-        "patterns": [r".*\.(q|k|v)_proj\.weight$", r".*\.mlp\.fc\.weight$"],
-        "partition_type": "column",
-    },
-    {"patterns": [r".*\.o_proj\.weight$", r".*\.mlp\.proj\.weight$"], "partition_type": "row"},
-]
-CKPT_PAIRS = [
-    ("ours_dp", "ours_dp_ckpt"),
-    ("ddp", "ddp_ckpt"),
-    ("deepspeed_dp", "deepspeed_dp_ckpt"),
-    ("ours_tp", "ours_tp_ckpt"),
-    ("ours_tp_ckpt", "ours_tp_ckpt_part"),
-    ("ours_tp", "ours_tp_ckpt_part"),
-]
+COLUMN_LAYERS = [r".*\.(q|k|v)_proj\.weight$", r".*\.mlp\.fc\.weight$"]
+ROW_LAYERS = [r".*\.o_proj\.weight$", r".*\.mlp\.proj\.weight$"]
+LAYER_SPECS = [{"patterns": COLUMN_LAYERS, "partition_type": "column"}]
+LAYER_SPECS.append({"patterns": ROW_LAYERS, "partition_type": "row"})
+CKPT_PAIRS = [("ours_dp", "ours_dp_ckpt"), ("ddp", "ddp_ckpt")]
+CKPT_PAIRS += [("deepspeed_dp", "deepspeed_dp_ckpt"), ("ours_tp", "ours_tp_ckpt")]
+CKPT_PAIRS += [("ours_tp_ckpt", "ours_tp_ckpt_part"), ("ours_tp", "ours_tp_ckpt_part")]
 REGION = ["other"]  # where the forward is, for the saved-bytes meter: "blocks" or "other"
 METER: list = [None]
 
@@ -224,13 +216,7 @@ def build(mode: str, rank: int, world: int, micro_batch: int):
         import shardspeed
         from shardspeed import pipe
 
-        model = pipe.PipelineModule(
-            h.pipe_layers(pipe, block),
-            num_stages=world,
-            loss_fn=h.pipe_loss,
-            seed_layers=True,
-            base_seed=h.MODEL_SEED,
-        )
+        model = h.pipeline_module(pipe, world, block)
         cfg = h.config(
             GLOBAL_BATCH // PIPE_M,
             gradient_accumulation_steps=PIPE_M,
@@ -364,16 +350,11 @@ def comm_table(results: dict) -> str:
 
 
 def tables(results: dict) -> dict:
-    return {
-        "ratios": render.ratio_table(results, SCENARIO.comparisons),
-        "throughput": throughput_table(results),
-        "modes": render.mode_table(results),
-        "memory": memory_table(results),
-        "checkpointing": ckpt_table(results),
-        "comm": comm_table(results),
-        "losses": render.loss_lines(results, "ours_dp", 1e-4),
-        "run": render.run_line(results),
-    }
+    own = {"memory": memory_table(results), "checkpointing": ckpt_table(results)}
+    own["comm"] = comm_table(results)
+    return render.training_tables(
+        results, SCENARIO.comparisons, throughput_table(results), own, 1e-4
+    )
 
 
 if __name__ == "__main__":

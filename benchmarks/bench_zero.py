@@ -10,20 +10,10 @@ from __future__ import annotations
 import harness as h
 import render
 
-STAGE12 = (
-    "ddp",
-    "ddp_fused",
-    "ours_s1",
-    "deepspeed_s1",
-    "ours_s2",
-    "deepspeed_s2",
-    "fsdp2",
-    "fsdp2_fused",
-    "ours_s2_bf16",
-    "deepspeed_s2_bf16",
-    "fsdp2_bf16",
-)
+STAGE12 = ("ddp", "ddp_fused", "ours_s1", "deepspeed_s1", "ours_s2", "deepspeed_s2", "fsdp2")
+STAGE12 += ("fsdp2_fused", "ours_s2_bf16", "deepspeed_s2_bf16", "fsdp2_bf16")
 # fsdp2_s3_strict (information): reshard_after_forward=True passed explicitly, the root too.
+STRICT = "reshard_after_forward=True on the root too"
 STAGE3 = ("ours_s3", "deepspeed_s3", "fsdp2_s3", "fsdp2_s3_fused", "fsdp2_s3_strict")
 SCENARIO = h.Scenario(
     name="zero",
@@ -42,12 +32,7 @@ SCENARIO = h.Scenario(
         ("ours_s3", "deepspeed_s3", 1.0, "shardspeed stage 3 vs DeepSpeed stage 3"),
         ("ours_s3", "fsdp2_s3", 1.0, "shardspeed stage 3 vs FSDP2 (default resharding)"),
         ("ours_s3", "fsdp2_s3_fused", None, "vs that FSDP2 with AdamW(fused=True)"),
-        (
-            "ours_s3",
-            "fsdp2_s3_strict",
-            None,
-            "vs FSDP2 with reshard_after_forward=True on the root too",
-        ),
+        ("ours_s3", "fsdp2_s3_strict", None, f"vs FSDP2 with {STRICT}"),
     ],
     default_modes=STAGE12,
     presets={"--stage3": STAGE3[:4]},

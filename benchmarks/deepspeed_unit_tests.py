@@ -3,9 +3,10 @@
 DeepSpeed's `tests/unit` (from a checkout of its repository; CI has none) is collected under
 DeepSpeed, a deterministic sample of the test ids is taken (md5 of the id, modulo `--every`), and
 the sample runs twice: under DeepSpeed (`--ds-python`, a venv with `deepspeed==0.19.8`) and under
-shardspeed's alias (`--ss-python`, with SHARDSPEED_AS_DEEPSPEED=1). The figure is the share of
-the tests that pass under DeepSpeed that also pass under the alias; its tables (the counts, per
-file, and each test that passes under DeepSpeed only) go between their markers in BENCHMARKS.md.
+shardspeed's alias (this script's python, with SHARDSPEED_AS_DEEPSPEED=1). The figure is the
+share of the tests that pass under DeepSpeed that also pass under the alias; its tables (the
+counts, per file, and each test that passes under DeepSpeed only) go between their markers in
+BENCHMARKS.md.
 
     .venv/bin/python benchmarks/deepspeed_unit_tests.py --tests /path/to/DeepSpeed/tests \
         --ds-python /path/to/dsvenv/bin/python [--every N] [--quick] [--write]
@@ -32,7 +33,6 @@ SCENARIO = h.Scenario(
     options={
         "--tests": dict(type=Path, help="DeepSpeed's tests/ directory"),
         "--ds-python": dict(help="python of a venv with deepspeed 0.19.8"),
-        "--ss-python": dict(default=sys.executable, help="python with shardspeed"),
         "--every": dict(type=int, default=10, help="sample one id in N (default 10)"),
     },
     quick={"every": 200},
@@ -40,24 +40,11 @@ SCENARIO = h.Scenario(
 
 # What the measurement covers: config, initialize, LR schedules, launcher, utils, comm, monitor,
 # pipe, checkpoint, half precision, MoE, ZeRO and zero.Init.
-SCOPE = (
-    "unit/runtime/test_ds_config_dict.py",
-    "unit/runtime/test_ds_config_model.py",
-    "unit/runtime/test_ds_initialize.py",
-    "unit/runtime/test_lr_schedulers.py",
-    "unit/launcher",
-    "unit/utils",
-    "unit/comm",
-    "unit/monitor",
-    "unit/pipe",
-    "unit/runtime/pipe",
-    "unit/checkpoint",
-    "unit/runtime/half_precision",
-    "unit/v1/half_precision",
-    "unit/v1/moe",
-    "unit/runtime/zero",
-    "unit/v1/zero",
-)
+SCOPE = ("unit/runtime/test_ds_config_dict.py", "unit/runtime/test_ds_config_model.py")
+SCOPE += ("unit/runtime/test_ds_initialize.py", "unit/runtime/test_lr_schedulers.py")
+SCOPE += ("unit/launcher", "unit/utils", "unit/comm", "unit/monitor", "unit/pipe")
+SCOPE += ("unit/runtime/pipe", "unit/checkpoint", "unit/runtime/half_precision")
+SCOPE += ("unit/v1/half_precision", "unit/v1/moe", "unit/runtime/zero", "unit/v1/zero")
 
 # A pytest plugin that keeps exactly the ids in $ONLY_IDS (naming ids on the command line would
 # stop the whole run at the first file that cannot be imported) and writes each one's outcome.
@@ -149,14 +136,10 @@ def measure(scenario, args) -> dict:
         ids = collect(args.ds_python, tests, Path(tmp))
         chosen = sample(ids, args.every)
         reference = run(args.ds_python, tests, chosen, alias=False, work=Path(tmp))
-        ours = run(args.ss_python, tests, chosen, alias=True, work=Path(tmp))
+        ours = run(sys.executable, tests, chosen, alias=True, work=Path(tmp))
     meta = h.run_meta(time.time() - started, 0, {}) | {"quick": args.quick, "tests": str(tests)}
-    return {"scenario": scenario.name, "meta": meta, "runs": {}, "failed": {}} | {
-        "collected": len(ids),
-        "every": args.every,
-        "deepspeed": reference,
-        "alias": ours,
-    }
+    out = {"scenario": scenario.name, "meta": meta, "runs": {}, "failed": {}, "collected": len(ids)}
+    return out | {"every": args.every, "deepspeed": reference, "alias": ours}
 
 
 def tables(results: dict) -> dict:
@@ -177,14 +160,12 @@ def tables(results: dict) -> dict:
         for f, n in sorted(by_file.items())
     ]
     lost = [[f"`{i.removeprefix('tests/unit/')}`", ours[i]] for i in passing if i not in kept]
+    file_head = ["file", "pass under DeepSpeed", "of those, pass under the alias"]
+    lost_head = ["passing under DeepSpeed, not under the alias", "under the alias"]
     return {
         "counts": render.table(["measure", "tests"], counts, "lr"),
-        "files": render.table(
-            ["file", "pass under DeepSpeed", "of those, pass under the alias"], files, "lrr"
-        ),
-        "lost": render.table(
-            ["passing under DeepSpeed, not under the alias", "under the alias"], lost
-        ),
+        "files": render.table(file_head, files, "lrr"),
+        "lost": render.table(lost_head, lost),
         "run": render.run_line(results),
     }
 

@@ -136,23 +136,23 @@ def _pipe_parts():
     return Embedding, head, loss_fn
 
 
-def pipe_layers(pipe, block: type, *block_args, n_blocks: int = 8) -> list:
-    """The tied GPT as pipeline layers; `pipe` is shardspeed.pipe or deepspeed.pipe, `block` the
-    transformer block's class (built with `block_args`)."""
+def pipeline_module(pipe, world: int, block: type, *block_args, **options):
+    """The tied GPT (8 blocks) as a `pipe.PipelineModule` of `world` stages, its layers seeded
+    from MODEL_SEED; `pipe` is shardspeed.pipe or deepspeed.pipe, `block` the transformer block's
+    class (built with `block_args`), `options` further PipelineModule arguments."""
     from torch import nn
 
-    Embedding, head, _ = _pipe_parts()
+    Embedding, head, loss_fn = _pipe_parts()
     tied = dict(tied_weight_attr="tokens.weight")
-    return [
+    layers = [
         pipe.TiedLayerSpec("embed", Embedding, **tied),
-        *[pipe.LayerSpec(block, *block_args) for _ in range(n_blocks)],
+        *[pipe.LayerSpec(block, *block_args) for _ in range(8)],
         pipe.LayerSpec(nn.LayerNorm, D_MODEL),
         pipe.TiedLayerSpec("embed", Embedding, forward_fn=head, **tied),
     ]
-
-
-def pipe_loss(logits, labels):
-    return _pipe_parts()[2](logits, labels)
+    return pipe.PipelineModule(
+        layers, num_stages=world, loss_fn=loss_fn, seed_layers=True, base_seed=MODEL_SEED, **options
+    )
 
 
 def tied_gpt(block: Callable, n_blocks: int = 8):
@@ -508,6 +508,7 @@ class CommCounter:
         self.calls: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()  # counted whether active or not
+        self.group_size = dist.get_world_size
         for name in self.NAMES:
             if getattr(dist, name, None) is not None:
                 setattr(dist, name, self._wrap(self.ALIASES.get(name, name), getattr(dist, name)))
@@ -539,7 +540,7 @@ class CommCounter:
     def _wrap(self, name: str, fn: Callable) -> Callable:
         def counted(*args, **kwargs):
             group = kwargs.get("group")
-            key = f"{name}@1" if group is not None and _group_size(group) == 1 else name
+            key = f"{name}@1" if group is not None and self.group_size(group) == 1 else name
             if self.active and self.depth == 0:
                 self.calls[key] += 1
                 self.bytes[key] += self._nbytes(args, kwargs)
@@ -555,12 +556,6 @@ class CommCounter:
 
     def snapshot(self) -> dict:
         return {"calls": dict(self.calls), "bytes": dict(self.bytes)}
-
-
-def _group_size(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group)
 
 
 # --------------------------------------------------------------------------------------------

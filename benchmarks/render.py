@@ -228,3 +228,13 @@ def write(name: str, tables: dict[str, str], path: Path = BENCH_MD) -> None:
             text = text.rstrip("\n") + f"\n\n{block}\n"
     path.write_text(text)
     print(f"wrote {len(tables)} table(s) of {name} into {path.name}")
+
+
+def training_tables(
+    results: dict, comparisons, throughput: str, own: dict, tolerance: float
+) -> dict:
+    """The tables of a training benchmark (pipe, tp, moe): ratios, throughput, the modes, its
+    `own` tables, the losses against shardspeed DP's (within `tolerance`) and the run line."""
+    out = {"ratios": ratio_table(results, comparisons), "throughput": throughput}
+    out |= {"modes": mode_table(results), **own}
+    return out | {"losses": loss_lines(results, "ours_dp", tolerance), "run": run_line(results)}
