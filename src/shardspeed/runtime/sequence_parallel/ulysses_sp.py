@@ -24,6 +24,12 @@ import torch.nn.functional as F
 from ... import comm
 from ...sequence import shard_load_balanced
 
+# DeepSpeed keeps ALST's tiled compute in this module; shardspeed's lives in `tiled`.
+from .tiled import SequenceTiledCompute as SequenceTiledCompute
+from .tiled import TiledFusedLogitsLoss as TiledFusedLogitsLoss
+from .tiled import TiledMLP as TiledMLP
+from .tiled import sequence_tiled_compute as sequence_tiled_compute
+
 IGNORE_INDEX = -100
 
 
