@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import shardspeed
 from shardspeed.accelerator import Accelerator
 from shardspeed.comm import comm_volume, reset_comm_volume
 from shardspeed.zero.streams import CommStreams
+from test_zero3_units import Stack
 
 SIDE = ("gather", "reduce")
 # Which collectives each side stream may issue.
@@ -94,26 +94,9 @@ def test_streams_are_chosen_once_per_device_and_null_on_cpu():
     assert ran == [True]
 
 
-class Stack(nn.Module):
-    """An embedding, three blocks (one gather unit each) and a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(16, 8)
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-        self.head = nn.Linear(8, 16)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.emb(idx)
-        for block in self.blocks:
-            h = torch.tanh(block(h))
-        return self.head(h)
-
-
 def steps_with_recorded_streams() -> dict:
     engine, *_ = shardspeed.initialize(
-        model=Stack(),
+        model=Stack(3),
         config={
             "train_batch_size": 8,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},

@@ -19,13 +19,14 @@ REST = 16 * 8 + (8 * 16 + 16)  # embedding and head: the root's unit
 
 
 class Stack(nn.Module):
-    """Embedding, four blocks in a ModuleList (one unit each), untied head: each unit used once."""
+    """Embedding, `blocks` blocks in a ModuleList (one unit each), untied head: each unit used
+    once."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocks: int = 4) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Embedding(16, 8)
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(blocks))
         self.head = nn.Linear(8, 16)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
