@@ -710,7 +710,9 @@ class ShardSpeedConfig(StrictModel):
         "managed_gradient_accumulation": NOT_PLANNED,
         "disable_python_gc": NOT_PLANNED,
         "log_level": NOT_PLANNED,
-        "seq_parallel_communication_data_type": NOT_PLANNED,
+        "seq_parallel_communication_data_type": "sequence parallelism's all-to-all and ring "
+        "transfers run in the activations' own dtype; a separate communication dtype is not "
+        "built (leave the key at fp32)",
         "vocabulary_size": NOT_PLANNED,
         "data_efficiency": NOT_PLANNED,
         "torch_autocast": NOT_PLANNED,
