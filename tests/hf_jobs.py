@@ -549,6 +549,94 @@ def accelerate_launched(out: Path) -> None:
         (out / f"accelerate_launched-ws{world()}.json").write_text(json.dumps(result))
 
 
+def sequence_dataset() -> list[dict[str, torch.Tensor]]:
+    """The dataset with the position ids the sequence-parallel loader adapter needs."""
+    positions = torch.arange(SEQ)
+    return [{**sample, "position_ids": positions} for sample in dataset()]
+
+
+def reference_training(batches: list[dict[str, torch.Tensor]]) -> tuple[list, list, Any]:
+    """One process, whole sequences, no DeepSpeed: AdamW, clipping at 1.0, one step per batch.
+    Returns the losses, the gradient norms before clipping, and the model."""
+    model = AutoModelForCausalLM.from_pretrained(pretrained(OUT), attn_implementation="sdpa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    history, norms = [], []
+    for batch in batches:
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        history.append(loss.item())
+    return history, norms, model
+
+
+@case
+def accelerate_sequence_parallel(out: Path) -> None:
+    """Accelerator(parallelism_config=ParallelismConfig(sp_size=world, sp_backend="deepspeed")):
+    accelerate registers DeepSpeed's Ulysses for the model's sdpa attention and wraps the loader
+    in UlyssesSPDataLoaderAdapter; the loss is aggregated over the sequence ranks by transformers'
+    own `deepspeed_sp_compute_loss` (what Trainer runs). Against one process on whole sequences,
+    batch for batch, at ZeRO 1 and 3. Run in a launch of its own: registration replaces
+    transformers' sdpa attention for the whole process."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
+
+    micro = 2
+    samples = sequence_dataset()
+    whole = [
+        torch.utils.data.default_collate(samples[i : i + micro]) for i in range(0, 8 * micro, micro)
+    ]
+    reference_losses, reference_norms, reference = reference_training(whole)
+    reference_params = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    result: dict[str, Any] = {
+        "reference_losses": reference_losses,
+        "reference_norms": reference_norms,
+    }
+    for stage in (1, 3):
+        reset()
+        config = ParallelismConfig(
+            sp_size=world(),
+            sp_backend="deepspeed",
+            sp_handler=DeepSpeedSequenceParallelConfig(
+                sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"
+            ),
+        )
+        accelerator = Accelerator(
+            deepspeed_plugin=DeepSpeedPlugin(
+                zero_stage=stage, gradient_accumulation_steps=1, gradient_clipping=1.0
+            ),
+            parallelism_config=config,
+        )
+        model = AutoModelForCausalLM.from_pretrained(pretrained(out), attn_implementation="sdpa")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        loader = torch.utils.data.DataLoader(samples[: 8 * micro], batch_size=micro)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        model.train()  # accelerate registers Ulysses with disable_in_eval: eval runs local slices
+        history, norms = [], []
+        for batch in loader:
+            loss = deepspeed_sp_compute_loss(accelerator, model, batch, False, config)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            history.append(loss.item())
+            norms.append(float(model.get_global_grad_norm()))
+        result[f"zero{stage}"] = {
+            "losses": history,
+            "norms": norms,
+            "global_steps": model.global_steps,
+            "sequence_parallel_size": model.sequence_parallel_size,
+            "engine": type(model).__module__,
+            "relative_difference": max(
+                ((p - reference_params[n]).norm() / reference_params[n].norm()).item()
+                for n, p in full_parameters(model.module).items()
+            ),
+        }
+    if rank() == 0:
+        (out / f"accelerate_sequence_parallel-ws{world()}.json").write_text(json.dumps(result))
+
+
 def main(argv: list[str]) -> None:
     global OUT
     OUT = Path(argv[0])

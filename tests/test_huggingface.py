@@ -212,6 +212,32 @@ def test_accelerate_plugin_loop(two: Path, stage: int) -> None:
     assert ds["resumed"] == ds["gas2"]  # load_state resumed the second half exactly
 
 
+def test_accelerate_sequence_parallel_trains_like_one_process(tmp_path: Path) -> None:
+    """accelerate's DeepSpeed sequence parallelism (ParallelismConfig(sp_size=2,
+    sp_backend="deepspeed")) on a tiny GQA Llama, with transformers' own loss aggregation over
+    the sequence ranks: every loss, gradient norm (before clipping at 1.0) and, after 8 steps,
+    every parameter equal one process training whole sequences (5e-5 relative on the weights;
+    losses and norms 1e-5 relative). The norm would be twice the reference's if gradients
+    were summed over the two sequence ranks as DeepSpeed sums them, since transformers' loss
+    puts the whole loss on each rank."""
+    run = result(
+        torchrun(2, tmp_path, ["accelerate_sequence_parallel"]), "accelerate_sequence_parallel"
+    )
+    for stage in (1, 3):
+        ours = run[f"zero{stage}"]
+        assert ours["engine"] == "shardspeed.runtime.engine"
+        assert ours["sequence_parallel_size"] == 2 and ours["global_steps"] == 8
+        for got, want in zip(ours["losses"], run["reference_losses"], strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), (stage, ours["losses"])
+        for got, want in zip(ours["norms"], run["reference_norms"], strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), (
+                stage,
+                ours["norms"],
+                run["reference_norms"],
+            )
+        assert ours["relative_difference"] < 5e-5, ours
+
+
 def test_accelerate_launch_use_deepspeed(tmp_path: Path) -> None:
     launch(
         [

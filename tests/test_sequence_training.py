@@ -162,7 +162,7 @@ def train(
         sp_group=group,
         sp_world_size=sequence,
         device="cpu",
-        load_balanced=form == "ring",
+        ring_size=2 if form == "ring" else 1,
     )
     norms = []
     for _, batch in zip(range(STEPS), adapter):
@@ -210,7 +210,7 @@ def test_the_slice_is_cut_after_the_labels_are_shifted():
     assert first["shift_labels"].tolist() == [[11, 12, 13, 14]]
     assert second["shift_labels"].tolist() == [[15, 16, 17, -100]]
     assert second["position_ids"].tolist() == [[4, 5, 6, 7]]
-    balanced = shard_batch(batch, 0, 2, load_balanced=True)
+    balanced = shard_batch(batch, 0, 2, ring_size=2)
     assert balanced["position_ids"].tolist() == [[0, 1, 6, 7]]
     with pytest.raises(ValueError, match="not a multiple of the sequence-parallel size 3"):
         shard_batch(batch, 0, 3)

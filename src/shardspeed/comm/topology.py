@@ -152,6 +152,20 @@ class ExpertGroups:
 
 
 @dataclass(frozen=True)
+class SequenceGroups:
+    """A sequence group cut in two (`Topology.sequence_split`): this rank's Ulysses group (heads
+    exchanged all-to-all) and ring group (key/value blocks passed around), with sizes and ranks.
+    A group of size 1 is never used; the larger one may be the whole sequence group."""
+
+    ulysses_size: int
+    ulysses_rank: int
+    ulysses_group: Any
+    ring_size: int
+    ring_rank: int
+    ring_group: Any
+
+
+@dataclass(frozen=True)
 class Topology:
     """The parallel mesh: this rank's place on every axis, and every process group it talks over.
 
@@ -198,12 +212,13 @@ class Topology:
         tensor; 0 or 1: none) or `sequence_parallel` ranks per sequence (data x sequence); the
         same mesh, groups and all, for every call with the same sizes in one world."""
         if mpu is not None:
-            if tensor_parallel > 1 or sequence_parallel > 1:
+            topology = _from_mpu(mpu)
+            if tensor_parallel > 1 or sequence_parallel not in (1, topology.sp_world_size):
                 raise ValueError(
                     "pass an mpu or ask for tensor or sequence parallelism in the config "
                     "('tensor_parallel.autotp_size', 'sequence_parallel_size'), not both"
                 )
-            return _from_mpu(mpu)
+            return topology
         return _world_mesh(max(tensor_parallel, 1), sequence_parallel)
 
     @classmethod
@@ -311,6 +326,43 @@ class Topology:
             (*key, "expert-data"), lambda: replica_lists(self._data_lists(), run_length)
         )
         return ExpertGroups(ep_size, ep_rank, ep_group, replica_rank, replicas, expert_data_group)
+
+    def sequence_split(self, ulysses_degree: int) -> SequenceGroups:
+        """The sequence group cut for hybrid sequence parallelism: runs of `ulysses_degree`
+        consecutive sequence ranks exchange heads (Ulysses), and the ranks at the same place in
+        every run pass key/value blocks around a ring. A degree of the sequence size is Ulysses
+        alone (ring of one), 1 is the ring alone. Collective the first time for each degree."""
+        size = self.sp_world_size
+        if ulysses_degree < 1 or size % ulysses_degree:
+            raise ValueError(
+                f"the Ulysses degree {ulysses_degree} must divide the sequence-parallel size {size}"
+            )
+        ring_size = size // ulysses_degree
+        if size == 1:
+            return SequenceGroups(1, 0, None, 1, 0, None)
+        lists = self.mesh.get_axis_comm_lists("sequence") if self.mesh is not None else None
+        if lists is None:
+            raise ValueError(
+                "hybrid sequence parallelism needs the sequence groups laid out by shardspeed"
+            )
+        ring_rank, ulysses_rank = divmod(self.sp_rank, ulysses_degree)
+        ulysses_group = (
+            self.sp_group
+            if ring_size == 1
+            else self._requested_group(
+                ("ulysses", ulysses_degree), lambda: _runs(lists, ulysses_degree)
+            )
+        )
+        ring_group = (
+            self.sp_group
+            if ulysses_degree == 1
+            else self._requested_group(
+                ("ring", ulysses_degree), lambda: _strides(lists, ulysses_degree)
+            )
+        )
+        return SequenceGroups(
+            ulysses_degree, ulysses_rank, ulysses_group, ring_size, ring_rank, ring_group
+        )
 
     def tie_group(self, stages: Sequence[int]) -> tuple[Any, int]:
         """(group, source) for a weight tied across pipeline `stages`: one group per data-parallel
@@ -523,7 +575,18 @@ class PipelineParallelGrid:
 
 
 def _from_mpu(mpu: Any) -> Topology:
-    """A user's Megatron `mpu`: its data-parallel group, and its model-parallel one if it has it."""
+    """A user's Megatron `mpu`: its data-parallel group, and its model-parallel one if it has it;
+    or a sequence-parallel one (DeepSpeed's `parallel_state_sp`, with sequence groups only): the
+    world's data x sequence mesh, which must hold the same sequence groups."""
+    if not hasattr(mpu, "get_data_parallel_group") and hasattr(mpu, "get_sequence_parallel_group"):
+        mesh = _world_mesh(1, mpu.get_sequence_parallel_world_size())
+        given = dist.get_process_group_ranks(mpu.get_sequence_parallel_group())
+        if given != dist.get_process_group_ranks(mesh.sp_group):
+            raise ValueError(
+                f"the mpu's sequence-parallel group holds ranks {given}; shardspeed's sequence "
+                "groups are runs of consecutive ranks, as DeepSpeed's"
+            )
+        return mesh
     tp_size = mpu.get_model_parallel_world_size() if hasattr(mpu, "get_model_parallel_group") else 1
     return Topology(
         dist.get_rank() if dist.is_initialized() else 0,

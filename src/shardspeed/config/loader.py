@@ -177,6 +177,8 @@ def validation_problems(
             problems.append(_unknown_key(path, loc[-1], _model_at(model, tuple(item["loc"])[:-1])))
         elif item["type"] == "missing":
             problems.append(f"'{path}' is required")
+        elif not loc:  # a check across keys: its message names them
+            problems.append(item["msg"].removeprefix("Value error, "))
         else:
             message = item["msg"].removeprefix("Value error, ")
             problems.append(f"'{path}': {message} (got {item['input']!r})")

@@ -618,6 +618,97 @@ class CompileConfig(StrictModel):
         return self.enabled or self.disable is False
 
 
+class UlyssesConfig(StrictModel):
+    """`sequence_parallel.ulysses`: `degree` is the number of ranks that exchange heads (the whole
+    sequence group in mode ulysses, a divisor of it in mode hybrid, 1 in mode ring).
+    `seq_length_is_variable` false promises one sequence length for the whole run: a batch of
+    another length is then refused instead of taken."""
+
+    degree: PositiveInt | None = None
+    seq_length_is_variable: bool = True
+
+
+class SequenceTilingConfig(StrictModel):
+    """`sequence_parallel.tiling`: LLaMA-Factory's switch for ALST's tiled MLP and loss."""
+
+    enabled: bool = False
+    chunk_size: PositiveInt | None = None
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "enabled": "tiling is applied in the model's code, not by the config: wrap the MLP in "
+        "TiledMLP and the head and loss in TiledFusedLogitsLoss "
+        "(deepspeed.runtime.sequence_parallel.ulysses_sp; see docs/sequence-parallel.md)",
+        "chunk_size": "it sizes the config's tiling, which is not built (see 'enabled')",
+    }
+
+
+class SequenceMemoryConfig(StrictModel):
+    """`sequence_parallel.memory_optimizations`: LLaMA-Factory's switch for ALST's memory
+    settings."""
+
+    enabled: bool = False
+    pytorch_profiling: bool = False
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "enabled": "activation checkpoints are moved to host memory with "
+        "'activation_checkpointing.cpu_checkpointing' (deepspeed.checkpointing.checkpoint)",
+        "pytorch_profiling": "profile with 'flops_profiler' or torch.profiler around the step",
+    }
+
+
+class SequenceParallelConfig(StrictModel):
+    """`sequence_parallel` (the section LLaMA-Factory writes for ALST; DeepSpeed itself ignores
+    it): how a sequence is split over the ranks of the sequence group and how its attention runs.
+
+    `size` is 'sequence_parallel_size' (either may be given; both must agree). `mode`: ulysses
+    (heads exchanged all-to-all; head counts must divide), ring (key/value blocks passed around a
+    ring; any head count), hybrid (Ulysses inside runs of `ulysses.degree` ranks, a ring across
+    them). `loss`: how each sequence rank's loss relates to the whole sequence's: sharded (each
+    rank's loss is its slice's part, the parts add up to the whole; gradients are summed over the
+    sequence ranks, as DeepSpeed does) or replicated (every rank holds the whole loss, gathered
+    with a differentiable all-gather as transformers' Trainer and accelerate compute it; gradients
+    are averaged over the sequence ranks). Left out, it is replicated when the run was set up by
+    `UlyssesSPAttentionHF.register_with_transformers` and sharded otherwise. `enabled` false turns
+    the section off."""
+
+    enabled: bool = True
+    size: PositiveInt | None = None
+    mode: Literal["ulysses", "ring", "hybrid"] = "ulysses"
+    ulysses: UlyssesConfig = Field(default_factory=UlyssesConfig)
+    loss: Literal["sharded", "replicated"] | None = None
+    tiling: SequenceTilingConfig = Field(default_factory=SequenceTilingConfig)
+    memory_optimizations: SequenceMemoryConfig = Field(default_factory=SequenceMemoryConfig)
+
+    def ulysses_degree(self, sequence_parallel_size: int) -> int:
+        """The Ulysses group size for a sequence group of `sequence_parallel_size` ranks."""
+        if not self.enabled or self.mode == "ulysses":
+            return sequence_parallel_size
+        if self.mode == "ring":
+            return 1
+        return self.ulysses.degree or 1
+
+    @model_validator(mode="after")
+    def _degree_fits_mode(self) -> SequenceParallelConfig:
+        degree, size = self.ulysses.degree, self.size
+        if self.mode == "ring" and degree not in (None, 1):
+            raise ValueError(
+                f"'mode' ring passes whole heads around a ring, but 'ulysses.degree' is {degree}: "
+                "leave the degree out (or 1), or use mode hybrid"
+            )
+        if self.mode == "ulysses" and degree is not None and size is not None and degree != size:
+            raise ValueError(
+                f"'mode' ulysses exchanges heads over the whole sequence group of 'size' {size}, "
+                f"but 'ulysses.degree' is {degree}: make them equal, or use mode hybrid for "
+                "Ulysses inside groups of the degree with a ring across them"
+            )
+        if self.mode == "hybrid" and (degree is None or degree < 2):
+            raise ValueError(
+                "'mode' hybrid needs 'ulysses.degree' (at least 2): the ranks that exchange heads; "
+                "a ring joins the groups of that many ranks"
+            )
+        return self
+
+
 class DataTypesConfig(StrictModel):
     """`data_types`: `grad_accum_dtype` is the dtype gradients accumulate in (default: fp32 for
     fp32 and bf16 models, fp16 for fp16 models). `param_dtype`, if written, must be the dtype that
@@ -702,7 +793,7 @@ class ShardSpeedConfig(StrictModel):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     expert_parallel: Section = None
     timers: TimersConfig = Field(default_factory=TimersConfig)
-    sequence_parallel: Section = None
+    sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     weight_quantization: Section = None
     datastates: Section = None
 
@@ -719,9 +810,6 @@ class ShardSpeedConfig(StrictModel):
         "comet": f"{NOT_PLANNED}: use csv_monitor, tensorboard or wandb",
         "expert_parallel": NOT_PLANNED + " (DeepSpeed's AutoEP, which converts Hugging Face MoE "
         "blocks; build the model with shardspeed.moe.layer.MoE instead)",
-        "sequence_parallel": "LLaMA-Factory's ALST section (its Ulysses wrapper for Hugging Face "
-        "attention, tiled MLP and loss) is not built; shardspeed's own sequence parallelism is "
-        "set with 'sequence_parallel_size' (see docs/sequence-parallel.md)",
         "weight_quantization": NOT_PLANNED,
         "datastates": NOT_PLANNED,
     }
@@ -731,6 +819,42 @@ class ShardSpeedConfig(StrictModel):
         "masters, and shardspeed's DeepSpeedCPUAdam is torch's Adam, so either value trains the "
         "same way",
     }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sequence_size_from_section(cls, data: Any) -> Any:
+        # The section's 'size' and 'sequence_parallel_size' are one setting: either may carry it.
+        if not isinstance(data, dict) or not isinstance(data.get("sequence_parallel"), dict):
+            return data
+        section = data["sequence_parallel"]
+        size = section.get("size")
+        if section.get("enabled", True) is False or size is None:
+            return data
+        given = data.get("sequence_parallel_size")
+        if given is not None and given != size:
+            raise ValueError(
+                f"'sequence_parallel.size' is {size} but 'sequence_parallel_size' is {given}: "
+                "they are one setting; give one of them, or make them equal"
+            )
+        return {**data, "sequence_parallel_size": size}
+
+    @model_validator(mode="after")
+    def _sequence_section_fits_size(self) -> ShardSpeedConfig:
+        section, size = self.sequence_parallel, self.sequence_parallel_size
+        degree = section.ulysses.degree
+        hybrid = section.enabled and section.mode == "hybrid" and degree is not None
+        if hybrid and (size % degree or degree >= size):
+            raise ValueError(
+                f"'sequence_parallel.ulysses.degree' {degree} must divide the "
+                f"sequence-parallel size {size} and be smaller than it (hybrid: Ulysses "
+                "inside groups of the degree, a ring across them)"
+            )
+        if section.enabled and section.mode == "ulysses" and degree not in (None, size):
+            raise ValueError(
+                f"'sequence_parallel.ulysses.degree' {degree} differs from the sequence-parallel "
+                f"size {size} in mode ulysses: make them equal, or use mode hybrid"
+            )
+        return self
 
     @field_validator("steps_per_print", mode="before")
     @classmethod

@@ -31,6 +31,8 @@ from ..moe.layer import MoE
 from ..pipe import PipelineModule
 from ..pipe.engine import PipelineSchedule, check_config
 from .engine import ShardSpeedEngine
+from .sequence_parallel import parallel_state_sp
+from .sequence_parallel.plan import SequencePlan, use_plan
 
 logger = logging.getLogger("shardspeed")
 
@@ -60,7 +62,7 @@ def initialize(
         raise ValueError("a PipelineModule brings its own topology: do not pass mpu as well")
     config_dict = source if isinstance(source, dict) else read_config_source(source)
     run_config, topology, autotp_size = _configure(
-        model, mpu, _with_mesh_param(config_dict, mesh_param)
+        model, mpu, _with_sequence_mpu(_with_mesh_param(config_dict, mesh_param), mpu)
     )
     # The combination rules that need the model, before anything (tensor-parallel splitting
     # included) touches it.
@@ -125,6 +127,7 @@ def _configure(
     run_config = load_config(config_dict, data_parallel_size)
     comm.use_collective_timeout(run_config.comms_timeout_s)
     groups.use_topology(topology)
+    use_plan(SequencePlan.from_config(run_config))
     return run_config, topology, autotp_size
 
 
@@ -151,6 +154,28 @@ def _with_mesh_param(config_dict: dict[str, Any], mesh_param: Any) -> dict[str, 
                 "make them agree or give one of the two"
             )
         merged[key] = size
+    return merged
+
+
+def _with_sequence_mpu(config_dict: dict[str, Any], mpu: Any) -> dict[str, Any]:
+    """With the mpu that `UlyssesSPAttentionHF.register_with_transformers` returns: the config
+    with its sequence-parallel size written in (refusing one that says otherwise) and, unless the
+    config says otherwise, the loss as transformers and accelerate compute it under sequence
+    parallelism: the whole loss on every sequence rank ('sequence_parallel.loss' replicated)."""
+    if mpu is not parallel_state_sp:
+        return config_dict
+    size = mpu.get_sequence_parallel_world_size()
+    merged = dict(config_dict)
+    if merged.get("sequence_parallel_size", size) != size:
+        raise ConfigError(
+            f"register_with_transformers set up sequence parallelism over {size} ranks, but the "
+            f"config says 'sequence_parallel_size': {merged['sequence_parallel_size']}: make "
+            "them agree or leave the key out"
+        )
+    merged["sequence_parallel_size"] = size
+    section = merged.get("sequence_parallel") or {}
+    if isinstance(section, dict):
+        merged["sequence_parallel"] = {"loss": "replicated", **section}
     return merged
 
 

@@ -203,7 +203,10 @@ class ShardSpeedEngine(nn.Module):
             overlap=zero.overlap_comm is not False,
             reduce_scatter=zero.reduce_scatter,
             average=config.gradient_allreduce_op == "mean",
-            sequence_parallel=self.topology.sp_world_size,
+            # A replicated loss (every sequence rank holds the whole one) averages like replicas.
+            sequence_parallel=1
+            if config.sequence_parallel.loss == "replicated"
+            else self.topology.sp_world_size,
         )
         gather = GatherOptions(
             bucket_elements=zero.allgather_bucket_size,

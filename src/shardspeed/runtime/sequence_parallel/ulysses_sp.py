@@ -22,9 +22,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ... import comm
-from ...sequence import shard_load_balanced
+from ...sequence import shard_sequence
 
-# DeepSpeed keeps ALST's tiled compute in this module; shardspeed's lives in `tiled`.
+# DeepSpeed keeps ALST's Hugging Face attention and tiled compute in this module; shardspeed's
+# live in `huggingface` and `tiled`.
+from .huggingface import UlyssesSPAttentionHF as UlyssesSPAttentionHF
+from .plan import current_plan
 from .tiled import SequenceTiledCompute as SequenceTiledCompute
 from .tiled import TiledFusedLogitsLoss as TiledFusedLogitsLoss
 from .tiled import TiledMLP as TiledMLP
@@ -34,12 +37,13 @@ IGNORE_INDEX = -100
 
 
 def shard_batch(
-    batch: dict[str, Any], sp_rank: int, sp_world_size: int, load_balanced: bool = False
+    batch: dict[str, Any], sp_rank: int, sp_world_size: int, ring_size: int = 1
 ) -> dict[str, Any]:
     """This rank's slice of `batch` along the sequence (dim 1 of every tensor), with `labels`
-    replaced by `shift_labels` shifted before the cut. Contiguous slices in rank order suit
-    Ulysses (`DistributedAttention`); `load_balanced` gives chunks r and 2P-1-r, the layout causal
-    `ring_attention` needs. Other entries are kept as they are."""
+    replaced by `shift_labels` shifted before the cut, in the layout of `shard_sequence` for
+    `ring_size` ring blocks: 1 (contiguous slices in rank order) suits Ulysses
+    (`DistributedAttention`), `sp_world_size` is the load-balanced layout causal `ring_attention`
+    needs, and a size between is hybrid's. Other entries are kept as they are."""
     if "labels" not in batch or "position_ids" not in batch:
         raise ValueError(
             "a sequence-parallel batch needs 'labels' and 'position_ids' (for unpacked "
@@ -64,10 +68,8 @@ def shard_batch(
                 f"batch['{key}'] has shape {tuple(value.shape)}: every tensor of a "
                 f"sequence-parallel batch is [batch, {seq_len}, ...] like the labels"
             )
-        elif load_balanced:
-            sliced[key] = shard_load_balanced(value, 1, sp_rank, sp_world_size)
         else:
-            sliced[key] = value.chunk(sp_world_size, dim=1)[sp_rank]
+            sliced[key] = shard_sequence(value, 1, sp_rank, sp_world_size, ring_size).contiguous()
     return sliced
 
 
@@ -98,7 +100,9 @@ class UlyssesSPDataLoaderAdapter:
     this rank's slice (`shard_batch`) of rank 0's batch, then rank 1's, and so on. So `len()` is
     the wrapped loader's length times `sp_world_size`, and `sp_world_size` items equal one step of
     plain data parallelism. Slices are on the host, as DeepSpeed leaves them; `device` is where
-    the exchange runs. `load_balanced` (a shardspeed addition) cuts the ring-attention layout.
+    the exchange runs. `ring_size` (a shardspeed addition) sets the layout (see `shard_batch`);
+    left out, it is the running job's (the config's `sequence_parallel.mode`), read when batches
+    are cut, since accelerate makes the adapter before `initialize`.
     """
 
     def __init__(
@@ -109,12 +113,13 @@ class UlyssesSPDataLoaderAdapter:
         sp_world_size: int,
         device: Any,
         *,
-        load_balanced: bool = False,
+        ring_size: int | None = None,
     ) -> None:
         self.dl = dl
         self.sp_rank, self.sp_group, self.sp_world_size = sp_rank, sp_group, sp_world_size
         self.device = torch.device(device)
-        self.load_balanced = load_balanced
+        self.ring_size = ring_size
+        self.first_length: int | None = None
         self.iter = iter(dl)
         self.micro_batches: deque[dict[str, Any]] = deque()
 
@@ -137,14 +142,27 @@ class UlyssesSPDataLoaderAdapter:
         except StopIteration:
             self.iter = iter(self.dl)
             raise
+        plan = current_plan()
+        ring_size = self.ring_size or plan.ring_size(self.sp_world_size)
         for gathered in self._gather(batch):
+            if plan.fixed_length:
+                self._check_length(gathered["input_ids"].shape[1])
             self.micro_batches.append(
                 {
                     key: value.cpu() if torch.is_tensor(value) else value
                     for key, value in shard_batch(
-                        gathered, self.sp_rank, self.sp_world_size, self.load_balanced
+                        gathered, self.sp_rank, self.sp_world_size, ring_size
                     ).items()
                 }
+            )
+
+    def _check_length(self, length: int) -> None:
+        self.first_length = self.first_length or length
+        if length != self.first_length:
+            raise ValueError(
+                f"a batch has sequence length {length} after one of {self.first_length}, but "
+                "the config's 'sequence_parallel.ulysses.seq_length_is_variable' is false: pad "
+                "every batch to one length, or set it true"
             )
 
     def _gather(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
