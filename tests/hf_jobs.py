@@ -571,65 +571,108 @@ def reference_training(batches: list[dict[str, torch.Tensor]]) -> tuple[list, li
     return history, norms, model
 
 
+# (name, sequence-parallel size, ZeRO stage, the config's sequence_parallel section) per world
+# size. With two data-parallel groups the loss is shardspeed's sharded one: transformers' (a
+# differentiable all-gather) fails on gloo in a group without global rank 0, a torch bug (its
+# gloo backward scatters from group ranks taken as global ranks); NCCL is not affected.
+SHARDED = {"loss": "sharded"}
+SEQUENCE_RUNS: dict[int, list[tuple[str, int, int, dict]]] = {
+    2: [("zero1", 2, 1, {}), ("zero3", 2, 3, {})],
+    4: [
+        ("sp2_dp2_zero1", 2, 1, SHARDED),
+        ("sp2_dp2_zero3", 2, 3, SHARDED),
+        ("hybrid_zero3", 4, 3, {"mode": "hybrid", "ulysses": {"degree": 2}}),
+        ("ring_zero1", 4, 1, {"mode": "ring"}),
+    ],
+}
+
+
+def sequence_steps(sp: int, micro: int) -> list[dict[str, torch.Tensor]]:
+    """The global batch of each step of a run with `sp` ranks per sequence: accelerate deals the
+    loader's batches to the ranks in turn, and UlyssesSPDataLoaderAdapter has each sequence group
+    train on its ranks' batches one after another; the data-parallel groups' batches together
+    make the step's."""
+    samples, dp = sequence_dataset(), world() // sp
+    batches = [samples[i : i + micro] for i in range(0, 8 * dp * micro, micro)]
+    return [
+        torch.utils.data.default_collate(
+            [x for g in range(dp) for x in batches[g * sp + t % sp + t // sp * world()]]
+        )
+        for t in range(8)
+    ]
+
+
 @case
 def accelerate_sequence_parallel(out: Path) -> None:
-    """Accelerator(parallelism_config=ParallelismConfig(sp_size=world, sp_backend="deepspeed")):
+    """Accelerator(parallelism_config=ParallelismConfig(sp_size=..., sp_backend="deepspeed")):
     accelerate registers DeepSpeed's Ulysses for the model's sdpa attention and wraps the loader
     in UlyssesSPDataLoaderAdapter; the loss is aggregated over the sequence ranks by transformers'
-    own `deepspeed_sp_compute_loss` (what Trainer runs). Against one process on whole sequences,
-    batch for batch, at ZeRO 1 and 3. Run in a launch of its own: registration replaces
+    own `deepspeed_sp_compute_loss` (what Trainer runs). Each run of SEQUENCE_RUNS against one
+    process on whole sequences, step for step. Run in a launch of its own: registration replaces
     transformers' sdpa attention for the whole process."""
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import shard_cross_entropy
+    from deepspeed.utils import groups
     from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
 
-    micro = 2
-    samples = sequence_dataset()
-    whole = [
-        torch.utils.data.default_collate(samples[i : i + micro]) for i in range(0, 8 * micro, micro)
-    ]
-    reference_losses, reference_norms, reference = reference_training(whole)
-    reference_params = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    result: dict[str, Any] = {
-        "reference_losses": reference_losses,
-        "reference_norms": reference_norms,
-    }
-    for stage in (1, 3):
-        reset()
+    micro, result = 2, {}
+    for name, sp, stage, section in SEQUENCE_RUNS[world()]:
+        reset()  # transformers' ZeRO-3 config of the run before would shard the reference
+        reference_losses, reference_norms, reference = reference_training(sequence_steps(sp, micro))
         config = ParallelismConfig(
-            sp_size=world(),
+            sp_size=sp,
+            dp_replicate_size=world() // sp,
             sp_backend="deepspeed",
             sp_handler=DeepSpeedSequenceParallelConfig(
                 sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"
             ),
         )
+        ds_config = {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": stage},
+            **({"sequence_parallel": section} if section else {}),
+        }
         accelerator = Accelerator(
-            deepspeed_plugin=DeepSpeedPlugin(
-                zero_stage=stage, gradient_accumulation_steps=1, gradient_clipping=1.0
-            ),
-            parallelism_config=config,
+            deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config), parallelism_config=config
         )
         model = AutoModelForCausalLM.from_pretrained(pretrained(out), attn_implementation="sdpa")
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-        loader = torch.utils.data.DataLoader(samples[: 8 * micro], batch_size=micro)
+        samples = sequence_dataset()[: 8 * (world() // sp) * micro]
+        loader = torch.utils.data.DataLoader(samples, batch_size=micro)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         model.train()  # accelerate registers Ulysses with disable_in_eval: eval runs local slices
         history, norms = [], []
         for batch in loader:
-            loss = deepspeed_sp_compute_loss(accelerator, model, batch, False, config)
+            if section is SHARDED:
+                logits = model(
+                    input_ids=batch["input_ids"], position_ids=batch["position_ids"]
+                ).logits
+                group = groups._get_sequence_parallel_group()
+                loss = shard_cross_entropy(logits, batch["shift_labels"], group)
+            else:
+                loss = deepspeed_sp_compute_loss(accelerator, model, batch, False, config)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
             history.append(loss.item())
             norms.append(float(model.get_global_grad_norm()))
-        result[f"zero{stage}"] = {
-            "losses": history,
+        # A step's loss is its group's (a sharded one: this rank's part); the reference's is the
+        # mean over the groups' batches.
+        history = torch.tensor(history)
+        torch.distributed.all_reduce(history)
+        result[name] = {
+            "losses": (history / (world() if section is not SHARDED else world() // sp)).tolist(),
             "norms": norms,
+            "reference_losses": reference_losses,
+            "reference_norms": reference_norms,
             "global_steps": model.global_steps,
             "sequence_parallel_size": model.sequence_parallel_size,
             "engine": type(model).__module__,
             "relative_difference": max(
-                ((p - reference_params[n]).norm() / reference_params[n].norm()).item()
+                ((p - dict(reference.named_parameters())[n]).norm() / p.norm()).item()
                 for n, p in full_parameters(model.module).items()
             ),
         }

@@ -212,30 +212,28 @@ def test_accelerate_plugin_loop(two: Path, stage: int) -> None:
     assert ds["resumed"] == ds["gas2"]  # load_state resumed the second half exactly
 
 
-def test_accelerate_sequence_parallel_trains_like_one_process(tmp_path: Path) -> None:
-    """accelerate's DeepSpeed sequence parallelism (ParallelismConfig(sp_size=2,
-    sp_backend="deepspeed")) on a tiny GQA Llama, with transformers' own loss aggregation over
-    the sequence ranks: every loss, gradient norm (before clipping at 1.0) and, after 8 steps,
-    every parameter equal one process training whole sequences (5e-5 relative on the weights;
-    losses and norms 1e-5 relative). The norm would be twice the reference's if gradients
-    were summed over the two sequence ranks as DeepSpeed sums them, since transformers' loss
-    puts the whole loss on each rank."""
-    run = result(
-        torchrun(2, tmp_path, ["accelerate_sequence_parallel"]), "accelerate_sequence_parallel"
-    )
-    for stage in (1, 3):
-        ours = run[f"zero{stage}"]
-        assert ours["engine"] == "shardspeed.runtime.engine"
-        assert ours["sequence_parallel_size"] == 2 and ours["global_steps"] == 8
-        for got, want in zip(ours["losses"], run["reference_losses"], strict=True):
-            assert abs(got - want) <= 1e-5 * abs(want), (stage, ours["losses"])
-        for got, want in zip(ours["norms"], run["reference_norms"], strict=True):
-            assert abs(got - want) <= 1e-5 * abs(want), (
-                stage,
-                ours["norms"],
-                run["reference_norms"],
-            )
-        assert ours["relative_difference"] < 5e-5, ours
+@pytest.mark.parametrize("world", [2, 4])
+def test_accelerate_sequence_parallel_trains_like_one_process(tmp_path: Path, world: int) -> None:
+    """accelerate's DeepSpeed sequence parallelism (ParallelismConfig(sp_size=...,
+    sp_backend="deepspeed")) on a tiny GQA Llama (4 heads, 2 key/value heads): at 2 processes
+    Ulysses over 2 at ZeRO 1 and 3 with transformers' own loss aggregation over the sequence
+    ranks; at 4 processes Ulysses over 2 x data parallel 2 at ZeRO 1 and 3, hybrid (Ulysses 2 x
+    ring 2) at ZeRO 3 and the ring over 4 at ZeRO 1, chosen by the config's sequence_parallel
+    section. Every loss and gradient norm (before clipping at 1.0; 1e-5 relative) and, after 8
+    steps, every parameter (5e-5 relative) equal one process training whole sequences. The norm
+    would be twice the reference's if gradients were summed over two sequence ranks under
+    transformers' loss, which puts the whole loss on each rank (DeepSpeed sums them)."""
+    out = torchrun(world, tmp_path, ["accelerate_sequence_parallel"])
+    runs = result(out, "accelerate_sequence_parallel", world)
+    assert len(runs) == {2: 2, 4: 4}[world]
+    for name, run in runs.items():
+        assert run["engine"] == "shardspeed.runtime.engine"
+        assert run["global_steps"] == 8 and run["sequence_parallel_size"] in (2, 4)
+        for got, want in zip(run["losses"], run["reference_losses"], strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), (name, run["losses"])
+        for got, want in zip(run["norms"], run["reference_norms"], strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), (name, run["norms"], run["reference_norms"])
+        assert run["relative_difference"] < 5e-5, (name, run)
 
 
 def test_accelerate_launch_use_deepspeed(tmp_path: Path) -> None:

@@ -17,8 +17,11 @@ from shardspeed.sequence import (
     DistributedAttention,
     ring_attention,
     seq_all_to_all,
+    sequence_attention,
     shard_load_balanced,
+    shard_sequence,
     unshard_load_balanced,
+    unshard_sequence,
 )
 
 ATOL = 1e-5
@@ -152,6 +155,50 @@ def _ring_case(causal: bool, kv_heads: int, on_pipe_axis: bool) -> tuple[float, 
     out.backward(shard(grad_out))
     got = [out, q_l.grad, k_l.grad, v_l.grad]
     return _largest_error(got, [shard(t) for t in want]), sent
+
+
+def _sequence_attention_case(ulysses_degree: int, causal: bool, kv_heads: int) -> float:
+    """`sequence_attention` over the world as one sequence group cut by `ulysses_degree`."""
+    from shardspeed.comm.topology import Topology
+
+    mesh = Topology.build(None, 1, comm.get_world_size())
+    groups = mesh.sequence_split(ulysses_degree)
+    size, rank = mesh.sp_world_size, mesh.sp_rank
+    q, k, v, grad_out = _whole(batch=2, heads=4, kv_heads=kv_heads, seq=4 * size, dim=4)
+    want = _reference(q, k, v, grad_out, causal)
+
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(t, 2, rank, size, groups.ring_size)
+
+    q_l, k_l, v_l = (shard(t).clone().requires_grad_() for t in (q, k, v))
+    out = sequence_attention(q_l, k_l, v_l, groups, causal=causal)
+    out.backward(shard(grad_out))
+    return _largest_error([out, q_l.grad, k_l.grad, v_l.grad], [shard(t) for t in want])
+
+
+@pytest.mark.parametrize(
+    ("ulysses_degree", "causal", "kv_heads"),
+    [(2, True, 4), (2, False, 2), (2, True, 1), (4, True, 4), (1, True, 2), (4, True, 2)],
+)
+def test_sequence_attention_equals_whole_sequence_attention_at_4(
+    pool4, ulysses_degree, causal, kv_heads
+):
+    """Hybrid (Ulysses over 2 ranks, a ring of 2 across), Ulysses alone (degree 4) and the ring
+    alone (degree 1), with grouped-query heads: 1 and 2 key/value heads are fewer than the
+    Ulysses ranks and are repeated up to them, as DeepSpeed does."""
+    errors = pool4.run(_sequence_attention_case, ulysses_degree, causal, kv_heads)
+    assert max(errors) < ATOL, errors
+
+
+def test_sequence_layouts_round_trip():
+    whole = torch.arange(32).view(1, 32)
+    for ring_size in (1, 2, 4):
+        pieces = [shard_sequence(whole, 1, rank, 4, ring_size) for rank in range(4)]
+        assert torch.equal(unshard_sequence(pieces, 1, ring_size), whole)
+    hybrid = [shard_sequence(whole, 1, rank, 4, 2)[0].tolist() for rank in range(4)]
+    # Ring block 0 is chunks 0 and 3 of 4 (positions 0-7 and 24-31), cut over Ulysses ranks 0, 1.
+    assert hybrid[0] == list(range(0, 8)) and hybrid[1] == list(range(24, 32))
+    assert hybrid[2] == list(range(8, 16)) and hybrid[3] == list(range(16, 24))
 
 
 @pytest.mark.parametrize(
