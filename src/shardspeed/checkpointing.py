@@ -201,6 +201,22 @@ def _tensor_parallel(mpu: Any) -> tuple[Any, int, int]:
     return getattr(mpu, f"{prefix}_group")(), getattr(mpu, f"{prefix}_rank")(), size
 
 
+def route_gradient_checkpointing(model: torch.nn.Module) -> int:
+    """Have a Hugging Face model's gradient checkpointing run through `checkpoint`, so that these
+    settings (host memory for what is kept) apply to it: its checkpointed layers (those with
+    `gradient_checkpointing` on) call their `_gradient_checkpointing_func`, which becomes
+    `checkpoint`. Returns how many layers that covers; checkpointing enabled later is not routed."""
+    layers = [
+        module
+        for module in model.modules()
+        if getattr(module, "gradient_checkpointing", False) is True
+        and hasattr(module, "_gradient_checkpointing_func")
+    ]
+    for module in layers:
+        module._gradient_checkpointing_func = checkpoint
+    return len(layers)
+
+
 def is_configured() -> bool:
     """True once `configure` (or the engine) has set the settings."""
     return _settings.configured

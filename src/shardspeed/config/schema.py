@@ -629,29 +629,28 @@ class UlyssesConfig(StrictModel):
 
 
 class SequenceTilingConfig(StrictModel):
-    """`sequence_parallel.tiling`: LLaMA-Factory's switch for ALST's tiled MLP and loss."""
+    """`sequence_parallel.tiling`: ALST's tiled MLP. When `enabled`, every submodule named `mlp`
+    (Hugging Face decoder layers name their MLP so) runs through `TiledMLP`: `chunk_size`
+    positions at a time (default: as many as the hidden size), keeping one chunk's intermediate
+    activations alive instead of the whole sequence's, for one extra MLP forward per step. The
+    tiled head and loss (`TiledFusedLogitsLoss`) belong to the training code (see
+    docs/sequence-parallel.md)."""
 
     enabled: bool = False
     chunk_size: PositiveInt | None = None
 
-    not_supported_until: ClassVar[dict[str, str]] = {
-        "enabled": "tiling is applied in the model's code, not by the config: wrap the MLP in "
-        "TiledMLP and the head and loss in TiledFusedLogitsLoss "
-        "(deepspeed.runtime.sequence_parallel.ulysses_sp; see docs/sequence-parallel.md)",
-        "chunk_size": "it sizes the config's tiling, which is not built (see 'enabled')",
-    }
-
 
 class SequenceMemoryConfig(StrictModel):
-    """`sequence_parallel.memory_optimizations`: LLaMA-Factory's switch for ALST's memory
-    settings."""
+    """`sequence_parallel.memory_optimizations`: ALST's activation-checkpoint offload. When
+    `enabled`, what activation checkpointing keeps between forward and backward (each
+    checkpointed layer's inputs) waits in host memory ('activation_checkpointing.cpu_checkpointing'
+    turned on), and a Hugging Face model's gradient checkpointing runs through
+    `deepspeed.checkpointing.checkpoint` so that it applies there too."""
 
     enabled: bool = False
     pytorch_profiling: bool = False
 
     not_supported_until: ClassVar[dict[str, str]] = {
-        "enabled": "activation checkpoints are moved to host memory with "
-        "'activation_checkpointing.cpu_checkpointing' (deepspeed.checkpointing.checkpoint)",
         "pytorch_profiling": "profile with 'flops_profiler' or torch.profiler around the step",
     }
 

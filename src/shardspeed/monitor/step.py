@@ -167,17 +167,22 @@ class MonitorWriter(StepObserver):
 
 
 class UnusedCheckpointing(StepObserver):
-    """After the first step, warn when the config's `activation_checkpointing` section was given
-    but the model never called the checkpoint function (`calls` counts its calls)."""
+    """After the first step, warn when the config asked for activation checkpointing settings
+    (`asked_by`: the section or key that did) but the model never called the checkpoint
+    function (`calls` counts its calls)."""
 
-    def __init__(self, calls: Callable[[], int]) -> None:
+    def __init__(
+        self, calls: Callable[[], int], asked_by: str = "activation_checkpointing"
+    ) -> None:
         self.calls = calls
+        self.asked_by = asked_by
         self.at_start = calls()
 
     def after_step(self, engine: Any) -> None:
         if engine.global_steps == 1 and self.calls() == self.at_start:
             logger.warning(
-                "the config has an 'activation_checkpointing' section, but the model never "
-                "called shardspeed.checkpointing.checkpoint (deepspeed.checkpointing."
-                "checkpoint): nothing was checkpointed"
+                f"the config sets '{self.asked_by}', but the model never called "
+                "shardspeed.checkpointing.checkpoint (deepspeed.checkpointing.checkpoint), nor "
+                "Hugging Face gradient checkpointing enabled before initialize: nothing was "
+                "checkpointed"
             )

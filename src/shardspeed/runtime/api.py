@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import alias, comm, shardspeed_version
+from .. import alias, checkpointing, comm, shardspeed_version
 from ..alias import DEEPSPEED_VERSION
 from ..comm import groups, init_distributed
 from ..config import (
@@ -27,12 +27,14 @@ from ..config import (
     refuse_combinations,
     tuning_report,
 )
+from ..config.schema import SequenceParallelConfig
 from ..moe.layer import MoE
 from ..pipe import PipelineModule
 from ..pipe.engine import PipelineSchedule, check_config
 from .engine import ShardSpeedEngine
 from .sequence_parallel import parallel_state_sp
 from .sequence_parallel.plan import SequencePlan, use_plan
+from .sequence_parallel.tiled import tile_mlps
 
 logger = logging.getLogger("shardspeed")
 
@@ -76,6 +78,7 @@ def initialize(
             moe_ep_sizes=tuple(m.ep_size for m in model.modules() if isinstance(m, MoE)),
         ),
     )
+    _sequence_memory(model, run_config.sequence_parallel)
     if topology.tp_world_size > 1 and not pipelined and mpu is None:
         from ..tensor_parallel.from_config import apply_autotp
 
@@ -110,11 +113,14 @@ def _configure(
         autotp_size = _tensor_parallel_size(model, config)
         # A PipelineModule brings its topology; asking for automatic tensor or sequence
         # parallelism as well is refused with the other combinations.
-        topology = (
-            model.topo
-            if pipelined
-            else comm.Topology.build(mpu, autotp_size, config.sequence_parallel_size)
-        )
+        try:
+            topology = (
+                model.topo
+                if pipelined
+                else comm.Topology.build(mpu, autotp_size, config.sequence_parallel_size)
+            )
+        except ValueError as error:  # sizes that do not fit the world, named by their keys
+            raise ConfigError(str(error)) from None
         if config.data_parallel_size not in (None, topology.dp_world_size):
             raise ConfigError(
                 f"'data_parallel_size' is {config.data_parallel_size}, but the world of "
@@ -177,6 +183,22 @@ def _with_sequence_mpu(config_dict: dict[str, Any], mpu: Any) -> dict[str, Any]:
     if isinstance(section, dict):
         merged["sequence_parallel"] = {"loss": "replicated", **section}
     return merged
+
+
+def _sequence_memory(model: nn.Module, section: SequenceParallelConfig) -> None:
+    """ALST's memory settings of the config's `sequence_parallel` section, applied to the model:
+    tiled MLPs, and a Hugging Face model's gradient checkpointing routed through ours (whose
+    settings keep checkpoints in host memory; the engine turns that on)."""
+    if not section.enabled:
+        return
+    if section.tiling.enabled and tile_mlps(model, section.tiling.chunk_size) == 0:
+        raise ConfigError(
+            "'sequence_parallel.tiling.enabled' tiles the submodules named 'mlp' (as Hugging "
+            "Face decoder layers name their MLP), and this model has none: wrap its MLP in "
+            "TiledMLP in the model code, or leave tiling off"
+        )
+    if section.memory_optimizations.enabled:
+        checkpointing.route_gradient_checkpointing(model)
 
 
 def _components(model: nn.Module, run_config: ShardSpeedConfig) -> list[Callable[[Any], Any]]:

@@ -659,9 +659,13 @@ def _observers(engine: ShardSpeedEngine) -> list[StepObserver]:
         )
     # The activation_checkpointing section acts here (DeepSpeed needs the script to call
     # checkpointing.configure); a default section leaves a script's own configure() alone.
-    if config.activation_checkpointing != type(config.activation_checkpointing)():
-        checkpointing.configure_from_config(config.activation_checkpointing, engine.topology)
-        observers.append(UnusedCheckpointing(checkpointing.calls))
+    section, asked_by = config.activation_checkpointing, "activation_checkpointing"
+    if config.sequence_parallel.enabled and config.sequence_parallel.memory_optimizations.enabled:
+        section = section.model_copy(update={"cpu_checkpointing": True})
+        asked_by = "sequence_parallel.memory_optimizations.enabled"
+    if section != type(section)():
+        checkpointing.configure_from_config(section, engine.topology)
+        observers.append(UnusedCheckpointing(checkpointing.calls, asked_by))
     return observers
 
 

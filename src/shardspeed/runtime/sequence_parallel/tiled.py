@@ -348,3 +348,28 @@ class SequenceTiledCompute(torch.autograd.Function):
             output_grads,
         )
         return (None, None, None, None, None, None, *grads)
+
+
+def tile_mlps(model: torch.nn.Module, chunk_size: int | None) -> int:
+    """Run every `mlp` submodule of `model` (Hugging Face decoder layers name their MLP so) through
+    `TiledMLP`, in chunks of `chunk_size` positions (None: as many positions as the hidden size,
+    ALST's choice: a chunk's intermediate activations are then about a hidden-size square).
+    Returns how many were tiled; an MLP already tiled is left as it is."""
+    tiled = 0
+    for layer in model.modules():
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, torch.nn.Module) or "forward" in vars(mlp):
+            continue
+        mlp.forward = _tiled_forward(mlp, type(mlp).forward, chunk_size)
+        tiled += 1
+    return tiled
+
+
+def _tiled_forward(
+    mlp: torch.nn.Module, forward: Callable[..., torch.Tensor], chunk_size: int | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def tiled(x: torch.Tensor) -> torch.Tensor:
+        shards = -(-x.shape[-2] // (chunk_size or x.shape[-1]))
+        return TiledMLP.apply(forward, mlp, x, max(shards, 1))
+
+    return tiled
