@@ -555,11 +555,21 @@ def sequence_dataset() -> list[dict[str, torch.Tensor]]:
     return [{**sample, "position_ids": positions} for sample in dataset()]
 
 
-def reference_training(batches: list[dict[str, torch.Tensor]]) -> tuple[list, list, Any]:
-    """One process, whole sequences, no DeepSpeed: AdamW, clipping at 1.0, one step per batch.
-    Returns the losses, the gradient norms before clipping, and the model."""
+def reference_training(
+    batches: list[dict[str, torch.Tensor]], warmup: bool = False
+) -> tuple[list, list, Any]:
+    """One process, whole sequences, no DeepSpeed: AdamW (with `warmup_schedule` if `warmup`),
+    clipping at 1.0, one step per batch. Returns the losses, the gradient norms before clipping,
+    and the model."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    # A sequence-parallel run before replaced sdpa for the whole process: transformers' own again.
+    current = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = getattr(current, "sequence_parallel_core", current)
     model = AutoModelForCausalLM.from_pretrained(pretrained(OUT), attn_implementation="sdpa")
+    model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    schedule = warmup_schedule(optimizer) if warmup else None
     history, norms = [], []
     for batch in batches:
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
@@ -567,6 +577,8 @@ def reference_training(batches: list[dict[str, torch.Tensor]]) -> tuple[list, li
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
         optimizer.step()
         optimizer.zero_grad()
+        if schedule is not None:
+            schedule.step()
         history.append(loss.item())
     return history, norms, model
 
@@ -678,6 +690,72 @@ def accelerate_sequence_parallel(out: Path) -> None:
         }
     if rank() == 0:
         (out / f"accelerate_sequence_parallel-ws{world()}.json").write_text(json.dumps(result))
+
+
+@case
+def trainer_sequence_parallel(out: Path) -> None:
+    """TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed"),
+    deepspeed=ZeRO-3 config): Trainer's own sequence-parallel path (the loader adapter, its loss
+    aggregation) trains like one process stepping through the batches the Trainer drew, in the
+    order the sequence group trains them (rank 0's first, rank 1's first, rank 0's second, ...)."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    config = ParallelismConfig(
+        sp_size=2,
+        sp_backend="deepspeed",
+        sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
+    )
+    seen: list[int] = []
+
+    class Recording(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.samples = sequence_dataset()
+
+        def __len__(self) -> int:
+            return len(self.samples)
+
+        def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+            seen.append(index)
+            return self.samples[index]
+
+    args = training_args(
+        out, with_stage(ZERO3, 3), parallelism_config=config, per_device_train_batch_size=2
+    )
+    model = AutoModelForCausalLM.from_pretrained(pretrained(out), attn_implementation="sdpa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=Recording(),
+        optimizers=(optimizer, warmup_schedule(optimizer)),
+    )
+    trainer.train()
+    engine = trainer.model_wrapped
+    trained = full_parameters(engine.module)
+    drawn = [None] * world()
+    torch.distributed.all_gather_object(drawn, seen)
+    steps = STEPS // world()  # each rank's batches feed this many steps; the loader reads ahead
+    order = [drawn[r][2 * b : 2 * b + 2] for b in range(steps) for r in range(world())]
+    samples = sequence_dataset()
+    reset()  # the reference outside transformers' ZeRO-3 loading
+    reference_losses, _, reference = reference_training(
+        [torch.utils.data.default_collate([samples[i] for i in batch]) for batch in order], True
+    )
+    result = {
+        "losses": losses(trainer),
+        "reference_losses": reference_losses,
+        "relative_difference": max(
+            ((p - dict(reference.named_parameters())[n]).norm() / p.norm()).item()
+            for n, p in trained.items()
+        ),
+        "global_steps": engine.global_steps,
+        "sequence_parallel_size": engine.sequence_parallel_size,
+        "engine": type(engine).__module__,
+        "seen": seen,
+    }
+    if rank() == 0:
+        (out / f"trainer_sequence_parallel-ws{world()}.json").write_text(json.dumps(result))
 
 
 def main(argv: list[str]) -> None:

@@ -236,6 +236,19 @@ def test_accelerate_sequence_parallel_trains_like_one_process(tmp_path: Path, wo
         assert run["relative_difference"] < 5e-5, (name, run)
 
 
+def test_trainer_sequence_parallel_trains_like_one_process(tmp_path: Path) -> None:
+    """Trainer with TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2,
+    sp_backend="deepspeed")) and Hugging Face's ZeRO-3 example config: its own loader adapter
+    and loss aggregation; every loss (1e-5 relative) and the final parameters (5e-5 relative)
+    equal one process on whole sequences stepping through the batches the Trainer drew."""
+    run = result(torchrun(2, tmp_path, ["trainer_sequence_parallel"]), "trainer_sequence_parallel")
+    assert run["engine"] == "shardspeed.runtime.engine"
+    assert run["sequence_parallel_size"] == 2 and run["global_steps"] == 4
+    for got, want in zip(run["losses"], run["reference_losses"], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), run
+    assert run["relative_difference"] < 5e-5, run
+
+
 def test_accelerate_launch_use_deepspeed(tmp_path: Path) -> None:
     launch(
         [
