@@ -101,6 +101,33 @@ def _ulysses_case(causal: bool, batch_dim_idx: int, kv_heads: int, rotary: bool)
     return _largest_error(got, want)
 
 
+def _ulysses_padding_mask_case() -> float:
+    """A key padding mask over the whole sequence (sample 1's last 3 positions padded), given to
+    the local attention: after the all-to-all every rank holds every position, so the mask the
+    whole-sequence attention takes applies unchanged."""
+    size, rank = comm.get_world_size(), comm.get_rank()
+    q, k, v, grad_out = _whole(batch=2, heads=4, kv_heads=4, seq=4 * size, dim=4)
+    keep = torch.ones(2, 1, 1, 4 * size, dtype=torch.bool)
+    keep[1, ..., -3:] = False
+    refs = [t.clone().requires_grad_() for t in (q, k, v)]
+    reference = F.scaled_dot_product_attention(*refs, attn_mask=keep)
+    reference.backward(grad_out)
+    want = [reference.detach()] + [t.grad for t in refs]
+
+    def local(q_, k_, v_):
+        out = F.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in (q_, k_, v_)), attn_mask=keep
+        )
+        return out.transpose(1, 2)
+
+    pieces = [t.transpose(1, 2).chunk(size, 1)[rank] for t in (q, k, v, grad_out)]
+    q_l, k_l, v_l = (piece.clone().requires_grad_() for piece in pieces[:3])
+    out = DistributedAttention(local, None)(q_l, k_l, v_l, 0)
+    out.backward(pieces[3])
+    got = [out, q_l.grad, k_l.grad, v_l.grad]
+    return _largest_error(got, [t.transpose(1, 2).chunk(size, 1)[rank] for t in want])
+
+
 def _ulysses_refusal(heads: int, kv_heads: int) -> str:
     q, k, v, _ = _whole(batch=1, heads=heads, kv_heads=kv_heads, seq=comm.get_world_size(), dim=2)
     attention = DistributedAttention(_sdpa_batch_first, None)
@@ -217,6 +244,11 @@ def test_ulysses_equals_whole_sequence_attention_at_2(
 )
 def test_ulysses_equals_whole_sequence_attention_at_4(pool4, causal, batch_dim_idx, rotary):
     errors = pool4.run(_ulysses_case, causal, batch_dim_idx, 4, rotary)
+    assert max(errors) < ATOL, errors
+
+
+def test_ulysses_with_a_padding_mask_equals_whole_sequence_attention(pool2):
+    errors = pool2.run(_ulysses_padding_mask_case)
     assert max(errors) < ATOL, errors
 
 
