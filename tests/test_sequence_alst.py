@@ -20,24 +20,16 @@ import torch
 pytest.importorskip("transformers")
 
 CONFIG = Path(__file__).parent / "data" / "configs" / "llamafactory" / "ds_z3_alst_config.json"
-SEQ, MICRO, STEPS, LR = 32, 2, 3, 1e-3
+SEQ, MICRO, STEPS, LR = 32, 2, 3, 1e-3  # SEQ: the model's max_position_embeddings
 
 
 def _model() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from hf_jobs import llama_config  # the Hugging Face tests' tiny Llama: 4 heads, 2 kv heads
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(llama_config())
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:

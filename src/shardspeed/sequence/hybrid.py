@@ -46,25 +46,26 @@ def unshard_sequence(pieces: list[Tensor], dim: int, ring_size: int) -> Tensor:
     return unshard_load_balanced(blocks, dim) if ring_size > 1 else blocks[0]
 
 
-def _ulysses_heads(key: Tensor, heads: int, size: int) -> Tensor:
-    """Key or value heads ready to be split over `size` ranks: as they are when `size` divides
-    them, repeated up to `size` when they divide `size` (DeepSpeed's rule for grouped-query
-    models with fewer key/value heads than ranks; query head i still meets kv head
-    i // (heads / kv_heads)); refused otherwise."""
-    kv_heads = key.shape[1]
+def kv_repeats(heads: int, kv_heads: int, size: int) -> int:
+    """How often each key/value head is repeated for Ulysses over `size` ranks: once when `size`
+    divides the key/value heads, `size // kv_heads` times when they divide `size` (DeepSpeed's
+    rule for grouped-query models with fewer key/value heads than ranks; query head i still meets
+    kv head i // (heads / kv_heads)). Other counts, and query heads `size` does not divide, are
+    refused naming the numbers."""
     if heads % size:
         raise ValueError(
             f"Ulysses over {size} ranks splits the {heads} query heads evenly, and {size} does not "
-            f"divide {heads}: choose a Ulysses size that divides the head count, or use mode ring "
-            "(any head count)"
+            f"divide {heads}: choose a Ulysses size that divides the head count, or the config's "
+            "sequence_parallel.mode ring (any head count)"
         )
     if kv_heads % size == 0:
-        return key
+        return 1
     if size % kv_heads == 0:
-        return key.repeat_interleave(size // kv_heads, dim=1)
+        return size // kv_heads
     raise ValueError(
         f"Ulysses over {size} ranks needs the {kv_heads} key/value heads to divide {size} or be "
-        f"divisible by it: choose another Ulysses size, or use mode ring (any head count)"
+        f"divisible by it: choose another Ulysses size, or the config's sequence_parallel.mode "
+        "ring (any head count)"
     )
 
 
@@ -82,8 +83,9 @@ def sequence_attention(
     `[batch, heads, seq/P, head_dim]`, this rank's positions."""
     ulysses = groups.ulysses_size > 1
     if ulysses:
-        heads, size = query.shape[1], groups.ulysses_size
-        key, value = (_ulysses_heads(t, heads, size) for t in (key, value))
+        repeats = kv_repeats(query.shape[1], key.shape[1], groups.ulysses_size)
+        if repeats > 1:
+            key, value = (t.repeat_interleave(repeats, dim=1) for t in (key, value))
         query, key, value = (
             seq_all_to_all(t, 1, 2, groups.ulysses_group) for t in (query, key, value)
         )

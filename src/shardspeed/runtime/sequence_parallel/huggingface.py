@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from ... import comm
 from ...sequence import sequence_attention
+from ...sequence.hybrid import kv_repeats
 from ...sequence.ulysses import seq_all_to_all
 from . import parallel_state_sp
 from .plan import current_plan
@@ -68,20 +69,7 @@ class UlyssesSPAttentionHF(nn.Module):
         self.local_seq_length, self.global_seq_length = local_seq_length, global_seq_length
         self.disable_in_eval = disable_in_eval
         self.core_attn_implementation: str | None = None  # set by register_with_transformers
-        size = self.world_size
-        if attn_head_count % size:
-            raise ValueError(
-                f"the model has {attn_head_count} attention heads, which Ulysses over "
-                f"{size} sequence ranks cannot split evenly: choose a sequence-parallel size that "
-                "divides the head count, or the config's sequence_parallel.mode ring"
-            )
-        if kv_head_count % size and size % kv_head_count:
-            raise ValueError(
-                f"the model has {kv_head_count} key/value heads: Ulysses over {size} sequence "
-                f"ranks needs them to be a multiple or a divisor of {size}; choose another "
-                "sequence-parallel size, or the config's sequence_parallel.mode ring"
-            )
-        self.kv_replication_factor = max(size // kv_head_count, 1)
+        self.kv_replication_factor = kv_repeats(attn_head_count, kv_head_count, self.world_size)
 
     def forward(
         self,
