@@ -81,9 +81,9 @@ def random_batches(rank: int, n: int, micro_batch: int, seq: int = SEQ) -> list:
     return out
 
 
-def progression_batches(n: int, size: int, used_vocab: int = 256) -> list:
-    """Step i's global batch: arithmetic progressions mod `used_vocab` (random start and stride
-    1..16), so the loss visibly falls within a few steps; the same in every mode."""
+def progression_batches(n: int, size: int, used_vocab: int = 256, seq: int = SEQ) -> list:
+    """Step i's global batch of `seq` tokens: arithmetic progressions mod `used_vocab` (random
+    start and stride 1..16), so the loss visibly falls within a few steps; the same in every mode."""
     import torch
 
     out = []
@@ -91,7 +91,7 @@ def progression_batches(n: int, size: int, used_vocab: int = 256) -> list:
         g = torch.Generator().manual_seed(DATA_SEED + i)
         start = torch.randint(0, used_vocab, (size, 1), generator=g)
         stride = torch.randint(1, 17, (size, 1), generator=g)
-        s = (start + stride * torch.arange(SEQ + 1)) % used_vocab
+        s = (start + stride * torch.arange(seq + 1)) % used_vocab
         out.append((s[:, :-1].contiguous(), s[:, 1:].contiguous()))
     return out
 
