@@ -56,7 +56,7 @@ def launch(command: list[str], out: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
-def torchrun(processes: int, out: Path, cases: list[str]) -> Path:
+def torchrun(processes: int, out: Path, cases: list[str], jobs: Path = JOBS) -> Path:
     launch(
         [
             sys.executable,
@@ -64,7 +64,7 @@ def torchrun(processes: int, out: Path, cases: list[str]) -> Path:
             "torch.distributed.run",
             "--standalone",
             f"--nproc_per_node={processes}",
-            str(JOBS),
+            str(jobs),
             str(out),
             *cases,
         ],

@@ -3,7 +3,10 @@
 This is the whole list; any other unknown key is an error. Each entry names a config that ships
 it, so the list stays tied to what the ecosystem writes rather than growing into "allow unknown".
 Comment keys (any key starting with `_`, at any depth outside optimizer and scheduler `params`)
-are accepted too and shown once in the start-up log.
+are accepted too and shown once in the start-up log. So are top-level keys named with dots
+("zero_optimization.reduce_bucket_size": TRL's prepare_deepspeed adds three such for its frozen
+reference model), each with a warning: DeepSpeed reads none of them, and the nested settings they
+name keep their values.
 """
 
 from __future__ import annotations
@@ -75,6 +78,16 @@ def drop_ignored(raw: dict[str, Any], problems: list[str]) -> None:
     comments = _drop_comments(raw, ())
     if comments:
         logger.info("config comment keys, ignored: %s", ", ".join(comments))
+    # TRL's prepare_deepspeed writes bucket sizes as top-level keys named by their path
+    # ("zero_optimization.reduce_bucket_size"); DeepSpeed reads none of them.
+    for dotted in [key for key in raw if isinstance(key, str) and "." in key]:
+        del raw[dotted]
+        logger.warning(
+            "config key '%s' is accepted and changes nothing: a top-level key named with dots is "
+            "not the nested setting (DeepSpeed ignores it too); to set it, write it inside its "
+            "section",
+            dotted,
+        )
     for path, (why, _source) in IGNORED_KEYS.items():
         if _pop(raw, path):
             logger.warning("config key '%s' is accepted and changes nothing: %s", path, why)

@@ -157,7 +157,7 @@ class ShardSpeedEngine(nn.Module):
         if basic is None:
             # Nothing to train, so nothing is sharded: what zero.Init sliced is made whole again
             # (an engine for evaluation only, as transformers builds for evaluate()).
-            materialize(self.module.parameters())
+            materialize(self.module.parameters(), self.run_config.zero_optimization.stage == 3)
             return None
         config = self.run_config
         zero = config.zero_optimization

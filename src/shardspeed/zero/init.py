@@ -255,11 +255,16 @@ def _subclasses(cls: type) -> list[type]:
     return found
 
 
-def materialize(params: Iterable[torch.Tensor]) -> None:
+def materialize(params: Iterable[torch.Tensor], zero3: bool = False) -> None:
     """Turn `zero.Init` parameters into ordinary whole ones on every rank (collective): for those
-    the engine does not shard (frozen ones, or an engine without an optimizer)."""
+    the engine does not shard (frozen ones, or an engine without an optimizer). Under ZeRO-3
+    (`zero3`) every one of `params` then reads as a whole ZeRO-3 parameter (`ds_status`
+    AVAILABLE, `ds_shape`, `ds_numel`), as DeepSpeed's are, for the libraries that check."""
+    params = list(params)
     sharded = [p for p in params if is_init_sharded(p)]
     gather(sharded)
     for p in sharded:
         for name in ("ds_tensor", "ds_status"):
             p.__dict__.pop(name, None)
+    for p in params if zero3 else ():
+        p.ds_status, p.ds_shape, p.ds_numel = ZeroParamStatus.AVAILABLE, p.shape, p.numel()

@@ -40,6 +40,7 @@ from torch import nn
 from ..comm import all_reduce
 from ..common.views import InstanceView
 from ..precision import LossScaler, StaticLossScaler
+from .hooks import ParameterOffload
 from .init import is_init_sharded, materialize
 from .offload import OffloadOptions, SwappedStates
 from .partitioned import Stage3Options
@@ -139,6 +140,9 @@ class ZeroOptimizer:
             plan, optimizer, gather or GatherOptions(), self.offload, stage3, self.grad_dtype
         )
         self.sharded_params = stores.params.sharded_params
+        self._parameter_offload = (
+            ParameterOffload(self.sharded_params, module) if self.sharded_params else None
+        )
         self.grad_flat, self.grad_shard = stores.grads.flat, stores.grads.shard
         self.masters, self.master_flat = stores.masters.masters, stores.masters.master_flat
         self.swapped = stores.states if isinstance(stores.states, SwappedStates) else None
@@ -162,6 +166,13 @@ class ZeroOptimizer:
             p.register_post_accumulate_grad_hook(grads.hook(i, self._arrivals, done))
             for i, p in enumerate(self.params)
         ]
+
+    @property
+    def parameter_offload(self) -> ParameterOffload:
+        """DeepSpeed's stage-3 hook surface (zero/hooks.py); absent below stage 3, as there."""
+        if self._parameter_offload is None:
+            raise AttributeError("parameter_offload exists at ZeRO stage 3 only")
+        return self._parameter_offload
 
     def close(self) -> None:
         """Remove the gradient hooks and the offload swap files (the engine's `destroy()`)."""
@@ -390,7 +401,7 @@ def _check_params(module: nn.Module, plan: ShardPlan, configured_stage: int) -> 
     """Refuse trainable parameters of mixed dtype or device, and zero.Init's slices below stage 3;
     make those the optimizer does not train whole (zero.Init sliced every parameter)."""
     managed = set(plan.params)
-    materialize(p for p in module.parameters() if p not in managed)
+    materialize((p for p in module.parameters() if p not in managed), configured_stage == 3)
     dtype, device = plan.params[0].dtype, plan.params[0].device
     if any(p.dtype != dtype or p.device != device for p in plan.params):
         raise ValueError("all trainable parameters must share one dtype and device")

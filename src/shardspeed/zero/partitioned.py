@@ -63,6 +63,12 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
         external.append(parameter)
 
 
+def external_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """DeepSpeed's `module.ds_external_parameters()`: (key, parameter) of those registered with
+    `register_external_parameter`."""
+    return [(str(id(p)), p) for p in module.__dict__.get(_EXTERNAL, [])]
+
+
 def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
     """Undo `register_external_parameter` (before `initialize` lays the units out)."""
     external = module.__dict__.get(_EXTERNAL, [])
@@ -361,16 +367,36 @@ class ShardedParameters:
         for p in params:
             setattr(p, _OWNER, self)
             p.data = self._empty  # the whole values now live only as shards (and units on demand)
-        self._handles = []
-        for u, unit in enumerate(units):
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        for i, p in enumerate(params):  # DeepSpeed's record of the whole tensor, which PEFT reads
+            p.ds_shape, p.ds_numel = self.layout.shapes[i], self.layout.numels[i]
+        self.hook_handles: list[Any] = []
+        self.register_hooks()
+
+    def register_hooks(self) -> None:
+        """Put the gather hooks on the units' modules (the ones there before are removed first):
+        at start-up, and when a caller that took them off for a while puts them back."""
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles[:] = []
+        for u, unit in enumerate(self.units):
             for m in unit.modules:
-                self._handles.append(m.register_forward_pre_hook(self._pre_forward(u)))
-                self._handles.append(m.register_forward_hook(self._post_forward(u)))
+                self.hook_handles.append(m.register_forward_pre_hook(self._pre_forward(u)))
+                self.hook_handles.append(m.register_forward_hook(self._post_forward(u)))
+
+    def traces_recorded(self) -> bool:
+        """Whether an order of units has been recorded (prefetching follows it)."""
+        return any(trace.units for trace in self._traces.values())
+
+    def forget_traces(self) -> None:
+        """Record the units' order afresh at the next passes (the model was run another way)."""
+        self._traces = {True: _Trace(), False: _Trace()}
+        self.trace = self._traces[True]
 
     def strip_hooks(self, copy: nn.Module) -> None:
         """Remove the gather hooks from a deep copy of the model (`copy.deepcopy` copies a
         module's hook dictionaries, and these hooks would gather this model's shards)."""
-        ids = {handle.id for handle in self._handles}
+        ids = {handle.id for handle in self.hook_handles}
         for module in copy.modules():
             for hooks in (module._forward_pre_hooks, module._forward_hooks):
                 for hook_id in ids & hooks.keys():
@@ -420,6 +446,7 @@ class ShardedParameters:
             i = self.index[p]
             offset = self.layout.offsets[i] - start
             p.data = buffer.narrow(0, offset, self.layout.numels[i]).view(self.layout.shapes[i])
+            p.ds_status = ZeroParamStatus.AVAILABLE
 
     def _unit_buffer(self, u: int, numel: int) -> torch.Tensor:
         """Unit `u`'s whole-copy buffer: one storage for the unit's life, sized to 0 when released."""
@@ -520,6 +547,7 @@ class ShardedParameters:
             return
         for p in self.units[u].params:
             p.data = self._empty
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         # Autograd may still hold views of the unit (a Linear saves its weight's transpose):
         # freeing the storage itself, not just our reference, is what returns the memory. The
         # pre-backward hook refills this same storage before those views are read again.
