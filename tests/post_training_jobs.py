@@ -185,6 +185,97 @@ def trl_dpo(out: Path) -> None:
     compare("trl_dpo", runs, reference)
 
 
+def lora_trainer(out: Path, ds: dict | None, **overrides: Any) -> Any:
+    """transformers' Trainer on a PEFT LoRA model (rank 4 on q_proj and v_proj of the tiny Llama;
+    the base frozen); without `ds`, the AdamW and WarmupLR-shaped schedule the configs make."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(**trl_settings(out, ds, **overrides))
+    torch.manual_seed(0)  # the adapters' initial values
+    base = AutoModelForCausalLM.from_pretrained(hf_jobs.pretrained(hf_jobs.OUT))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    optimizers = (None, None)
+    if ds is None:
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0
+        )
+        optimizers = (optimizer, warmup_schedule(optimizer))
+    data = [{"input_ids": x["input_ids"], "labels": x["labels"]} for x in hf_jobs.dataset()]
+    return Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers)
+
+
+def lora_result(trainer: Any) -> dict:
+    """Losses, adapters, the merged weights, and how far the frozen base moved."""
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    whole = full_parameters(model)
+    adapters = {n: w for n, w in whole.items() if "lora_" in n}
+    start = load_file(hf_jobs.pretrained(hf_jobs.OUT) / "model.safetensors")
+    base = {
+        n.replace("base_model.model.", "").replace(".base_layer", ""): w for n, w in whole.items()
+    }
+    moved = max((base[n] - w).abs().max().item() for n, w in start.items() if n in base)
+    merged = {}
+    for name, weight in base.items():
+        if "lora_" in name:
+            continue
+        prefix = name.removesuffix(".weight")
+        a, b = (f"base_model.model.{prefix}.lora_{x}.default.weight" for x in "AB")
+        merged[name] = weight + (whole[b] @ whole[a]) * 2.0 if a in whole else weight
+    return {
+        "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+        "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+        "base_moved": moved,
+        "adapters": adapters,
+        "merged": merged,
+    }
+
+
+@case
+def peft_lora(out: Path) -> None:
+    """PEFT LoRA through Trainer at ZeRO 2 and 3 against the same without DeepSpeed: losses,
+    adapters and the merged model (W + B A * alpha / r); the frozen base does not move. At ZeRO 3
+    also: save_model writes the adapters only, and a run saved at step 2 (checkpoints without the
+    frozen base: exclude_frozen_parameters) and resumed ends where the uninterrupted run ends."""
+    reference = lora_trainer(out / "lora", None)
+    reference.train()
+    want = lora_result(reference)
+    result: dict[str, Any] = {"reference_losses": want["losses"]}
+    for stage, config in ((2, ZERO2), (3, ZERO3)):
+        saving = {"save_strategy": "steps", "save_steps": 2} if stage == 3 else {}
+        trainer = lora_trainer(out / f"lora{stage}", with_stage(config, stage), **saving)
+        trainer.train()
+        got = lora_result(trainer)
+        trainer.save_model(out / f"lora{stage}_saved")
+        torch.distributed.barrier()  # rank 0 writes the files
+        entry = {
+            "losses": got["losses"],
+            "trainable": got["trainable"] == want["trainable"] and len(got["trainable"]) == 8,
+            "base_moved": got["base_moved"],
+            "adapters": hf_jobs.max_difference(got["adapters"], want["adapters"]),
+            "merged": hf_jobs.max_difference(got["merged"], want["merged"]),
+            "saved_files": sorted(p.name for p in (out / f"lora{stage}_saved").iterdir()),
+        }
+        if stage == 3:
+            resumed = lora_trainer(out / "lora3_resumed", with_stage(config, stage), **saving)
+            resumed.train(resume_from_checkpoint=str(out / "lora3" / "checkpoint-2"))
+            entry["resumed_vs_uninterrupted"] = hf_jobs.max_difference(
+                lora_result(resumed)["adapters"], got["adapters"]
+            )
+            checkpoint = out / "lora3" / "checkpoint-2"
+            tensors = list((checkpoint / "global_step2").glob("*.safetensors"))
+            entry["checkpoint_bytes"] = sum(f.stat().st_size for f in tensors)
+            entry["base_bytes"] = (
+                (hf_jobs.pretrained(hf_jobs.OUT) / "model.safetensors").stat().st_size
+            )
+            entry["checkpoint_files"] = sorted(
+                str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file()
+            )
+        result[f"zero{stage}"] = entry
+    if rank() == 0:
+        (hf_jobs.OUT / f"peft_lora-ws{world()}.json").write_text(json.dumps(result))
+
+
 def main(argv: list[str]) -> None:
     hf_jobs.OUT = Path(argv[0])
     hf_jobs.OUT.mkdir(parents=True, exist_ok=True)
