@@ -1,18 +1,22 @@
-"""The live model in its training dtype, whole: DeepSpeed's 16-bit state dict and
-`save_16bit_model`. Takes the engine as an argument, as `engine_state` does."""
+"""The live model whole: DeepSpeed's 16-bit state dict and `save_16bit_model`, and its weights
+streamed a bucket at a time (`stream_weights`) for a trainer that pushes fresh weights to a
+generator (vLLM, SGLang) after each step, and for the hybrid engine's inference copy. Takes the
+engine as an argument, as `engine_state` does."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..comm import barrier
+from ..comm import all_gather, barrier
 from ..config.errors import ConfigError
 from ..zero import GatheredParameters
+from .format import Split
 
 
 def consolidated_state_dict(engine: Any, exclude_frozen_parameters: bool = False) -> dict:
@@ -68,3 +72,81 @@ def save_16bit_model(
         os.replace(partial, path)
     barrier()
     return True
+
+
+def stream_weights(
+    engine: Any, bucket_bytes: int | None = None, dtype: torch.dtype | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The module's current weights, whole, a bucket at a time: each item is a list of
+    (name, tensor), by gather unit at ZeRO-3 (module order within each), else in module order.
+    Collective: every rank iterates to the end.
+
+    Parameters are grouped as they are gathered: by ZeRO-3 gather unit (a layer or block), else
+    one group per parameter; consecutive groups share an item while it stays within
+    `bucket_bytes` (None: one group per item; a group larger than the bucket is an item alone).
+    Tensor-parallel pieces are joined. Tensors are in `dtype` (default: the training dtype); in
+    that dtype they are the gathered memory itself, so an item is valid until the next one is
+    asked for, when its units are released: the extra memory held is the item's."""
+    if any(layer.ep_size > 1 for layer in engine.moe_layers.values()):
+        raise ValueError(
+            "stream_weights does not gather expert-parallel experts: use "
+            "engine._zero3_consolidated_16bit_state_dict() for a model with them"
+        )
+    names = {p: n for n, p in engine.module.named_parameters()}
+    yield from gathered_items(engine, _items(engine, list(names), bucket_bytes), names, dtype)
+
+
+def gathered_items(
+    engine: Any,
+    items: Sequence[Sequence[nn.Parameter]],
+    names: dict[nn.Parameter, str],
+    dtype: torch.dtype | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Each of `items` (lists of the module's parameters) gathered whole, named, tensor-parallel
+    pieces joined, in `dtype`; released when the next is asked for."""
+    topology = engine.topology
+    for item in items:
+        with GatheredParameters(list(item)):
+            yield [(names[p], _whole(p, topology, dtype)) for p in item]
+
+
+def _whole(p: nn.Parameter, topology: Any, dtype: torch.dtype | None) -> torch.Tensor:
+    tensor = p.detach().to(dtype or p.dtype)
+    if not getattr(p, "tensor_model_parallel", False) or topology.tp_world_size == 1:
+        return tensor
+    pieces = [torch.empty_like(tensor) for _ in range(topology.tp_world_size)]
+    all_gather(pieces, tensor.contiguous(), group=topology.tp_group)
+    return Split(p.partition_dim, topology.tp_world_size, getattr(p, "partition_stride", 1)).join(
+        pieces
+    )
+
+
+def _items(
+    engine: Any, params: list[nn.Parameter], bucket_bytes: int | None
+) -> list[list[nn.Parameter]]:
+    """The parameters grouped by gather unit (ZeRO-3) or one by one, groups joined up to
+    `bucket_bytes`."""
+    sharded = engine.optimizer.sharded_params if engine.optimizer is not None else None
+    if sharded is not None:
+        in_units = {p for unit in sharded.units for p in unit.params}
+        groups = [list(unit.params) for unit in sharded.units if unit.params]
+        groups += [[p] for p in params if p not in in_units]  # frozen ones, kept whole
+    else:
+        groups = [[p] for p in params]
+    if bucket_bytes is None:
+        return groups
+    items: list[list[nn.Parameter]] = []
+    size = 0
+    for group in groups:
+        group_bytes = sum(_numel(p) * p.element_size() for p in group)
+        if items and size + group_bytes <= bucket_bytes:
+            items[-1] += group
+            size += group_bytes
+        else:
+            items.append(list(group))
+            size = group_bytes
+    return items
+
+
+def _numel(p: nn.Parameter) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))

@@ -37,12 +37,12 @@ import torch
 from torch import nn
 
 from ..checkpoint.format import Split
+from ..checkpoint.sixteen_bit import gathered_items
 from ..checkpoint.values import all_gather_json
 from ..common.observer import EngineComponent
 from ..common.views import InstanceView
 from ..config.errors import ConfigError
 from ..tensor_parallel.from_config import apply_autotp
-from ..zero import GatheredParameters
 from .generation import ContinuousBatcher
 from .sampling import SamplingParams, sampling_params_from_hf
 
@@ -143,11 +143,9 @@ class HybridGeneration(EngineComponent):
             chunks = [[p for u in units[i : i + per] for p in u] for i in range(0, len(units), per)]
         else:
             chunks = [list(managed)]
-        with torch.no_grad():
-            for chunk in chunks:
-                with GatheredParameters(chunk):
-                    for p in chunk:
-                        self._fill(targets[names[p]], p.detach())
+        for item in gathered_items(engine, chunks, names):
+            for name, whole in item:
+                self._fill(targets[name], whole)
         return inference.eval()
 
     def _fill(self, target: torch.Tensor, whole: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ from ..accelerator import get_accelerator
 from ..autotuning.metric import AutotuningMeter
 from ..checkpoint import load_engine, save_engine
 from ..checkpoint import lock as checkpoint_lock
-from ..checkpoint.sixteen_bit import consolidated_state_dict, save_16bit_model
+from ..checkpoint.sixteen_bit import consolidated_state_dict, save_16bit_model, stream_weights
 from ..checkpoint.values import all_gather_json
 from ..comm import Topology, configure_comms_logger, get_local_rank
 from ..common.observer import EngineComponent, StepObserver
@@ -565,6 +565,14 @@ class ShardSpeedEngine(nn.Module):
     def consolidated_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """The module's state dict with every parameter whole (collective at stage 3)."""
         return consolidated_state_dict(self, exclude_frozen_parameters)
+
+    def stream_weights(
+        self, bucket_bytes: int | None = None, dtype: torch.dtype | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The current weights, whole, a bucket of at most `bucket_bytes` at a time, in `dtype`:
+        to push them to a generator after a step without a second whole copy (collective; see
+        `checkpoint.sixteen_bit.stream_weights`)."""
+        return stream_weights(self, bucket_bytes, dtype)
 
     def expert_load(self, over_data_parallel: bool = False) -> dict[str, dict[str, Any]]:
         """Per MoE layer (by module name), its last forward's routing: tokens asked of each of
