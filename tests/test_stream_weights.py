@@ -84,3 +84,34 @@ def _tensor_parallel_stream() -> bool:
 
 def test_streamed_weights_join_tensor_parallel_pieces(pool2) -> None:
     assert pool2.run(_tensor_parallel_stream) == [True, True]
+
+
+def _gather_replaced_layer_params() -> list[bool]:
+    """DeepSpeed's GatherReplacedLayerParams over automatic tensor parallelism's split layers:
+    whole inside, each rank's piece again after, a change made inside kept, the piece's storage
+    (a view into the engine's flat buffer) the same."""
+    from shardspeed.compat.deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    model = tm.GPT()
+    whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+    autotp = {"autotp_size": 2, "partition_config": {"layer_specs": tm.LAYER_SPECS}}
+    engine, *_ = shardspeed.initialize(model=model, config=tm.config(1, tensor_parallel=autotp))
+    split = {
+        n: p for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)
+    }
+    storage = {n: p.data_ptr() for n, p in split.items()}
+    with GatherReplacedLayerParams(list(model.parameters()), model):
+        inside = all(torch.equal(p, whole[n]) for n, p in split.items())
+        for p in split.values():
+            p.data.add_(1.0)
+    streamed = {n: t for item in engine.stream_weights() for n, t in item}
+    return [
+        bool(split),
+        inside,
+        all(p.data_ptr() == storage[n] for n, p in split.items()),
+        all(torch.equal(streamed[n], whole[n] + 1.0) for n in split),
+    ]
+
+
+def test_gather_replaced_layer_params(pool2) -> None:
+    assert pool2.run(_gather_replaced_layer_params) == [[True] * 4] * 2

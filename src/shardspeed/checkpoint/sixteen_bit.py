@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..comm import all_gather, barrier
+from ..comm import barrier
 from ..config.errors import ConfigError
+from ..tensor_parallel.layers import whole
 from ..zero import GatheredParameters
-from .format import Split
 
 
 def consolidated_state_dict(engine: Any, exclude_frozen_parameters: bool = False) -> dict:
@@ -114,11 +114,7 @@ def _whole(p: nn.Parameter, topology: Any, dtype: torch.dtype | None) -> torch.T
     tensor = p.detach().to(dtype or p.dtype)
     if not getattr(p, "tensor_model_parallel", False) or topology.tp_world_size == 1:
         return tensor
-    pieces = [torch.empty_like(tensor) for _ in range(topology.tp_world_size)]
-    all_gather(pieces, tensor.contiguous(), group=topology.tp_group)
-    return Split(p.partition_dim, topology.tp_world_size, getattr(p, "partition_stride", 1)).join(
-        pieces
-    )
+    return whole(tensor, p.partition_dim, topology.tp_group, getattr(p, "partition_stride", 1))
 
 
 def _items(

@@ -15,6 +15,8 @@ gradients must be summed over the tensor group before the optimizer step.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -47,6 +49,18 @@ def piece(whole: torch.Tensor, dim: int, group: Group, stride: int = 1) -> torch
         )
     parts = whole.detach().chunk(stride, dim)
     return torch.cat([p.chunk(size, dim)[rank(group)] for p in parts], dim).clone()
+
+
+def whole(piece_: torch.Tensor, dim: int, group: Group, stride: int = 1) -> torch.Tensor:
+    """The whole tensor from every rank's `piece` (collective over `group`): the inverse of
+    `piece`, fused parts (`stride`) put back in order."""
+    size = world_size(group)
+    if size == 1:
+        return piece_
+    gathered = [torch.empty_like(piece_) for _ in range(size)]
+    dist.all_gather(gathered, piece_.contiguous(), group=group)
+    blocks = [g.chunk(stride, dim) for g in gathered]
+    return torch.cat([b[j] for j in range(stride) for b in blocks], dim)
 
 
 def _split_parameter(
@@ -355,3 +369,45 @@ def tensor_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
 def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The whole parameters whose gradients are partial on each rank (`sequence_parallel`)."""
     return [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+
+
+class GatherReplacedLayerParams:
+    """DeepSpeed's `module_inject.layers.GatherReplacedLayerParams(params, module, enabled=True)`:
+    inside the block the tensor-parallel parameters among `params` (those split by automatic
+    tensor parallelism or the parallel layers: `tensor_model_parallel`) are whole on every rank
+    of the tensor-parallel group; on leaving, each rank keeps its piece of them again, changes
+    made inside included. Collective over that group. `group` (a shardspeed addition) defaults to
+    the running job's tensor-parallel group. With no such parameter it does nothing."""
+
+    def __init__(
+        self, params: torch.Tensor | Iterable[torch.Tensor], module: nn.Module,
+        enabled: bool = True, group: Group = None,
+    ) -> None:  # fmt: skip
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self.module = module
+        self.params = [p for p in params if getattr(p, "tensor_model_parallel", False)]
+        self.enabled = enabled and bool(self.params)
+        self.group = group
+        self._pieces: list[torch.Tensor] = []
+
+    def __enter__(self) -> GatherReplacedLayerParams:
+        if not self.enabled:
+            return self
+        if self.group is None:
+            from ..comm import groups
+
+            self.group = groups._get_model_parallel_group()
+        for p in self.params:
+            self._pieces.append(p.data)  # the piece keeps its storage (a view into flat buffers)
+            p.data = whole(p.data, p.partition_dim, self.group, getattr(p, "partition_stride", 1))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.enabled:
+            return
+        for p, kept in zip(self.params, self._pieces):
+            kept.copy_(
+                piece(p.data, p.partition_dim, self.group, getattr(p, "partition_stride", 1))
+            )
+            p.data = kept
+        self._pieces = []
