@@ -70,6 +70,13 @@ def rank_file(rank: int) -> str:
 # -- saving ---------------------------------------------------------------------------------------
 
 
+def require_states(engine: Any, action: str) -> None:
+    """Refuse `action` while `offload_states()` holds any of the engine's states in host memory
+    (their device memory is freed: reading it would fail)."""
+    if engine.optimizer is not None:
+        engine.optimizer.state_offload.require(action)
+
+
 def save_engine(
     engine: Any,
     save_dir: str,
@@ -80,6 +87,7 @@ def save_engine(
 ) -> bool:
     """`engine.save_checkpoint`: every rank calls it; True once the tag is in place everywhere.
     Any rank's failure fails the save on every rank, with the same `CheckpointError`."""
+    require_states(engine, "save_checkpoint")
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     tag = _agreed_tag(tag, engine.run_config.checkpoint.tag_validation)
     root = Path(save_dir)
@@ -613,6 +621,7 @@ def load_engine(
     """`engine.load_checkpoint`: every rank reads what its layout holds. A DeepSpeed checkpoint
     is converted first (`deepspeed.imported`: each rank reads it once, into a temporary
     shardspeed checkpoint) and loaded from that."""
+    require_states(engine, "load_checkpoint")
     options = (
         load_module_strict,
         load_optimizer_states,

@@ -17,11 +17,13 @@ from ..comm import barrier
 from ..config.errors import ConfigError
 from ..tensor_parallel.layers import whole
 from ..zero import GatheredParameters
+from .engine_state import require_states
 
 
 def consolidated_state_dict(engine: Any, exclude_frozen_parameters: bool = False) -> dict:
     """The module's state dict with every parameter whole (collective at stage 3), and every
     expert of an expert-parallel MoE layer gathered under its global index."""
+    require_states(engine, "consolidating the state dict")
     module = engine.module
     with GatheredParameters(list(module.parameters())):  # stage 3: whole only inside, so copy
         state = {
@@ -92,6 +94,7 @@ def stream_weights(
             "stream_weights does not gather expert-parallel experts: use "
             "engine._zero3_consolidated_16bit_state_dict() for a model with them"
         )
+    require_states(engine, "stream_weights")
     names = {p: n for n, p in engine.module.named_parameters()}
     yield from gathered_items(engine, _items(engine, list(names), bucket_bytes), names, dtype)
 

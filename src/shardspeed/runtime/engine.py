@@ -740,6 +740,11 @@ _ACCESSORS: dict[str, tuple[str | Callable[[Any], Any], bool, Any]] = {
         False,
         None,
     ),
+    # DeepSpeed's state offload, answered by the ZeRO optimizer (zero/offload_states.py): each
+    # reads as the optimizer's method. Without an optimizer nothing is gathered on demand.
+    "offload_states": (lambda engine: _optimizer_method(engine, "offload_states"), True, _ALWAYS),
+    "reload_states": (lambda engine: _optimizer_method(engine, "reload_states"), True, _ALWAYS),
+    "empty_partition_cache": ("optimizer.empty_partition_cache", True, lambda: None),
 }
 
 
@@ -780,6 +785,11 @@ def _pipeline_part(module: nn.Module, name: str, default: Any) -> Any:
     weights), asked by name: the runtime does not import the pipe room."""
     ask = getattr(module, name, None)
     return ask() if callable(ask) else default
+
+
+def _optimizer_method(engine: ShardSpeedEngine, name: str) -> Callable[..., Any]:
+    require_optimizer(engine, f"{name}()")
+    return getattr(engine.optimizer, name)
 
 
 def require_optimizer(engine: ShardSpeedEngine, what: str) -> None:

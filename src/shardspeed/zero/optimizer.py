@@ -43,6 +43,7 @@ from ..precision import LossScaler, StaticLossScaler
 from .hooks import ParameterOffload
 from .init import is_init_sharded, materialize
 from .offload import OffloadOptions, SwappedStates
+from .offload_states import BACKWARD_NEEDS, OffloadStateTypeEnum, StateOffload
 from .partitioned import Stage3Options
 from .plan import ExpertParameters, Place, ShardPlan, TiedParameters, build_plan
 from .reducer import GradientReducer
@@ -150,6 +151,13 @@ class ZeroOptimizer:
         for p in self.params:
             p._shardspeed_optimizer = weakref.ref(self)
         self._watch_gradients(reduce)
+        # DeepSpeed's state offload (offload_states.py), under its names on its ZeRO optimizers.
+        self.state_offload = StateOffload(
+            module, optimizer, stores, self.reducer, masters_on_host=self.offload.enabled
+        )
+        self.offload_states = self.state_offload.offload_states
+        self.reload_states = self.state_offload.reload_states
+        self.empty_partition_cache = self.state_offload.empty_partition_cache
 
     def _watch_gradients(self, reduce: ReduceOptions) -> None:
         """The reducer, and the hooks that hand it (or the arrivals tracker) each gradient."""
@@ -190,6 +198,7 @@ class ZeroOptimizer:
 
         A shard accumulator reduces every micro-step: it has nowhere to keep unreduced gradients.
         """
+        self.state_offload.require("backward", BACKWARD_NEEDS)
         if self._arrivals is not None:
             self._arrivals.reset(segment)
             self._arrivals.active = reduce_gradients or self.stores.grads.reduces_every_micro_step
@@ -217,6 +226,7 @@ class ZeroOptimizer:
 
     def step(self) -> bool:
         """Unscale, check, clip and apply the averaged gradients; False when the step was skipped."""
+        self.state_offload.require("step")
         self.finish_reduction()
         owned = self.stores.grads.owned()  # fp32, aligned with the masters
         for (start, end), tie in self.plan.ties:
@@ -288,6 +298,7 @@ class ZeroOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffers (they stay allocated: parameters keep views into them)."""
         del set_to_none
+        self.state_offload.require("zero_grad", (OffloadStateTypeEnum.lp_grads,))
         self.stores.grads.buffer().zero_()
 
     # -- checkpoints ----------------------------------------------------------------------------

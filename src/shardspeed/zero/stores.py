@@ -294,6 +294,10 @@ class ReplicatedParams:
     def tensors(self) -> list[torch.Tensor]:
         return []
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """What this store keeps on the training device (for `offload_states`)."""
+        return [self.flat]
+
     def close(self) -> None:
         """No files to close."""
 
@@ -313,6 +317,7 @@ class ShardedParams:
     ) -> None:
         self.plan = plan
         self.swapper: NvmeSwapper | None = None
+        self.shard_offloaded = offload.param_device != "none"  # in host memory or swap files
         store = self._shard_store(plan.shard_sizes(), offload, dtype, device)
         for regions in plan.unit_regions:
             start, end = plan.layout.groups[regions[0]][0], plan.layout.groups[regions[-1]][1]
@@ -379,6 +384,11 @@ class ShardedParams:
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.sharded_params.store.tensors(), *self.sharded_params.buffers.values()]
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The gathered units, and the shard unless `offload_param` keeps it off the device."""
+        shard = [] if self.shard_offloaded else self.sharded_params.store.tensors()
+        return [*shard, *self.sharded_params.buffers.values()]
 
     def close(self) -> None:
         if self.swapper is not None:

@@ -1,26 +1,15 @@
-"""DeepSpeed's `deepspeed.runtime.zero.offload_config`: the offload sections and their devices."""
+"""DeepSpeed's `deepspeed.runtime.zero.offload_config`: the offload sections, their devices, and
+the state kinds of `engine.offload_states(include=...)` (both enums live in the zero room)."""
 
 from __future__ import annotations
 
-from enum import Enum
-
 from shardspeed.config.schema import OffloadOptimizerConfig as DeepSpeedZeroOffloadOptimizerConfig
 from shardspeed.config.schema import OffloadParamConfig as DeepSpeedZeroOffloadParamConfig
-
-
-class OffloadDeviceEnum(str, Enum):
-    """`offload_optimizer.device` / `offload_param.device`; members compare equal to the strings."""
-
-    none = "none"
-    cpu = "cpu"
-    nvme = "nvme"
-
-    def __str__(self) -> str:
-        return self.value
-
+from shardspeed.zero.offload_states import OffloadDeviceEnum, OffloadStateTypeEnum
 
 __all__ = [
     "DeepSpeedZeroOffloadOptimizerConfig",
     "DeepSpeedZeroOffloadParamConfig",
     "OffloadDeviceEnum",
+    "OffloadStateTypeEnum",
 ]
