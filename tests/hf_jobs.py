@@ -594,6 +594,8 @@ SEQUENCE_RUNS: dict[int, list[tuple[str, int, int, dict]]] = {
         ("sp2_dp2_zero1", 2, 1, SHARDED),
         ("sp2_dp2_zero3", 2, 3, SHARDED),
         ("hybrid_zero3", 4, 3, {"mode": "hybrid", "ulysses": {"degree": 2}}),
+        # Ulysses over 4 with the model's 2 key/value heads: repeated up to 4, as DeepSpeed does
+        ("ulysses4_zero1", 4, 1, {}),
         ("ring_zero1", 4, 1, {"mode": "ring"}),
     ],
 }
