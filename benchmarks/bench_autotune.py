@@ -1,17 +1,7 @@
-"""Autotuning: the autotuner's chosen configuration against the demo's default, and the planner's
-estimate error, on the demo (`examples/train_gpt.py` with `examples/ds_config.json`, 2 processes,
-gloo on CPU).
+"""Autotuning: the tuner's chosen configuration against the demo's default, and the planner's
+estimate error, on the demo (2 processes, gloo on CPU).
 
     .venv/bin/python benchmarks/bench_autotune.py [--quick] [--write]
-
-1. `shardspeed --num_procs 2 --autotuning tune examples/train_gpt.py --deepspeed_config TUNE.json`,
-   TUNE.json being the demo's config with `train_batch_size` fixed at the demo's 32, every ZeRO
-   stage allowed and an `autotuning` section; the tuner's summary.json gives each trial's measured
-   and estimated throughput and memory. A tuner run that other processes disturbed is rerun
-   (twice at most); the least disturbed is kept.
-2. The demo's config and the chosen `ds_config_optimal.json` in alternating rounds, timed by the
-   engine's meter over steps `--warmup`+1 .. `--warmup`+`--steps`; median samples/s.
-`--quick`: stages 0 and 3 only, one round.
 """
 
 from __future__ import annotations
@@ -70,8 +60,7 @@ def free_port() -> int:
 
 
 def own_cpu_s() -> float:
-    """CPU seconds of this process and of every live descendant (the launcher, torchrun, the
-    ranks), each with its reaped children's, from /proc: what the benchmark itself used."""
+    """CPU seconds of this process and its live descendants (from /proc), reaped children's too."""
     parents, cpu = {}, {}
     for entry in os.scandir("/proc"):
         with contextlib.suppress(OSError, ValueError):
@@ -89,9 +78,7 @@ def own_cpu_s() -> float:
 
 
 class LoadSampler:
-    """Machine-wide busy CPU time (/proc/stat) and the benchmark's own (`own_cpu_s`) at the start,
-    every 0.5 s in a thread, and at the end, so that the CPU other processes used in any time
-    window can be looked up."""
+    """Machine-wide and own busy CPU sampled every 0.5 s, for any window's other load."""
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, float, float]] = []
@@ -116,8 +103,7 @@ class LoadSampler:
         self._sample()
 
     def others(self, start: float, end: float) -> float | None:
-        """Cores used by other processes from the last sample before `start` to the first after
-        `end` (None when the samples do not span at least half a second)."""
+        """Other processes' cores from `start` to `end` (None under half a second of samples)."""
         before = [sample for sample in self.samples if sample[0] <= start]
         after = [sample for sample in self.samples if sample[0] >= end]
         if not before or not after or after[0][0] - before[-1][0] < 0.5:
@@ -126,15 +112,13 @@ class LoadSampler:
         return max(0.0, (busy1 - busy0 - (own1 - own0)) / (t1 - t0))
 
     def before(self, path: Path, seconds: float) -> float | None:
-        """Cores other processes used in the `seconds` before `path` was written (a measured
-        window: the engine writes its metrics right after the window's last step)."""
+        """Other processes' cores in the `seconds` before `path` (engine metrics) was written."""
         end = path.stat().st_mtime
         return self.others(end - seconds, end)
 
 
 def run_measured(argv: list[str], cwd: Path, log: Path) -> tuple[dict, LoadSampler]:
-    """Run `argv`: its wall time, exit status, and the cores
-    other processes used meanwhile; and the sampler, for the load of windows within it."""
+    """Run `argv`: wall time, exit status, others' cores meanwhile, and the sampler."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out, LoadSampler() as sampler:
         t0 = time.time()
@@ -150,17 +134,8 @@ def launch_argv(port: int, config: Path, out: Path, tune: bool) -> list[str]:
     return [*argv, str(DEMO_SCRIPT), "--deepspeed_config", str(config), "--out", str(out)]
 
 
-# --------------------------------------------------------------------------------------------
-# The tuner run and its trials
-# --------------------------------------------------------------------------------------------
-
-
 def run_tuner(args, tmp: Path) -> dict:
-    """The tuner, after waiting for an idle machine; rerun (TUNE_RETRIES times, within
-    `args.budget`) when other processes used more than `args.max_other_load` cores during it, or
-    more than that during a calibration trial's timed window
-    (a disturbed calibration spoils every estimate), since its trials cannot wait for quiet one by
-    one. The least disturbed run is kept."""
+    """The tuner, rerun while other processes disturbed it or a calibration trial."""
     runs, started = [], time.perf_counter()
     for attempt in range(1 if args.quick else 1 + TUNE_RETRIES):
         directory = tmp / f"tune{attempt}"
@@ -170,7 +145,7 @@ def run_tuner(args, tmp: Path) -> dict:
         if args.wait_idle > 0:
             h.wait_idle(6 * args.wait_idle)
         argv = launch_argv(free_port(), config, tmp / "run", tune=True)
-        print(f"tuning: {shlex.join(argv)}", flush=True)
+        print(f"tuning: {shlex.join(argv)}")
         run, sampler = run_measured(argv, directory, directory / "tune.log")
         if run["returncode"] != 0:
             log = tail(directory / "tune.log")
@@ -183,26 +158,15 @@ def run_tuner(args, tmp: Path) -> dict:
                 window = row["train_batch"] / row["measured_throughput"]
                 window *= TUNING["end_profile_step"] - TUNING["start_profile_step"] + 1
                 loads[row["name"]] = sampler.before(path, window)
-        calibration = [
-            loads.get(row["name"]) or 0.0 for row in summary["trials"] if row["calibration"]
-        ]
+        calibration = [loads.get(r["name"]) or 0.0 for r in summary["trials"] if r["calibration"]]
         run["calibration_load"] = max(calibration, default=0.0)
         runs.append({"run": run, "summary": summary, "dir": directory, "loads": loads})
-        print(
-            f"tuner run {attempt}: {run['wall_s']:.0f}s, other load {run['foreign_cores']:.2f} "
-            f"cores, in the calibration trials' timed windows up to "
-            f"{run['calibration_load']:.2f}, best {summary['best']}",
-            flush=True,
-        )
-        quiet = (
-            run["foreign_cores"] <= args.max_other_load
-            and run["calibration_load"] <= args.max_other_load
-        )
+        loads_text = f"other load {run['foreign_cores']:.2f}, {run['calibration_load']:.2f}"
+        print(f"tuner run {attempt}: {run['wall_s']:.0f}s, {loads_text}, best {summary['best']}")
+        quiet = max(run["foreign_cores"], run["calibration_load"]) <= args.max_other_load
         if quiet or time.perf_counter() - started > args.budget:
             break
-    best = min(
-        runs, key=lambda tuned: (tuned["run"]["calibration_load"], tuned["run"]["foreign_cores"])
-    )
+    best = min(runs, key=lambda t: (t["run"]["calibration_load"], t["run"]["foreign_cores"]))
     best["discarded"] = [tuned["run"] for tuned in runs if tuned is not best]
     return best
 
@@ -223,11 +187,9 @@ def _planner(summary: dict, optimizer: bool = True):
 
     fitted = summary["calibration"]
     same = ("num_params", "dp_size", "mp_size", "precision", "tokens_per_sample")
-    return Planner(
-        **{key: fitted[key] for key in same},
-        bandwidth=fitted["bus_bandwidth_bytes_per_s"],
-        optimizer_s_per_param=fitted["optimizer_s_per_param"] if optimizer else 0.0,
-    )
+    kwargs = {key: fitted[key] for key in same} | {"bandwidth": fitted["bus_bandwidth_bytes_per_s"]}
+    kwargs["optimizer_s_per_param"] = fitted["optimizer_s_per_param"] if optimizer else 0.0
+    return Planner(**kwargs)
 
 
 def _measurements(summary: dict, tmp: Path) -> list[tuple[dict, object]]:
@@ -244,10 +206,7 @@ def _measurements(summary: dict, tmp: Path) -> list[tuple[dict, object]]:
 
 
 def replayed_estimates(summary: dict, tmp: Path) -> dict[str, dict[str, float]]:
-    """Other planners' throughput estimates for the same trials, from the same measurements:
-    ``calibration``, this planner fitted to the two calibration trials only (what it would say
-    without refitting), and ``one_point``, the planner as it was before (its model fitted to the
-    first calibration trial alone: everything per sample, no optimizer term)."""
+    """Estimates of the calibration-only planner and the old one-point model, same trials."""
     measured = _measurements(summary, tmp)
     calibration = _planner(summary).calibrate([m for row, m in measured if row["calibration"]])
     one_point = _planner(summary, optimizer=False).calibrate([measured[0][1]])
@@ -258,22 +217,14 @@ def replayed_estimates(summary: dict, tmp: Path) -> dict[str, dict[str, float]]:
     }
 
 
-# --------------------------------------------------------------------------------------------
-# Default against chosen, alternating rounds
-# --------------------------------------------------------------------------------------------
-
-
 def measure_config(args, tmp: Path, base: dict, label: str, tag: str) -> dict:
     """One run of the demo with `base`, timed by the engine's meter over the long window."""
     directory = tmp / "rounds" / f"{tag}_{label}"
     directory.mkdir(parents=True)
     config = dict(base)
-    config["autotuning"] = {
-        "enabled": True,
-        "metric_path": str(directory / "metrics.json"),
-        "start_profile_step": args.warmup + 1,
-        "end_profile_step": args.warmup + args.steps,
-    }
+    config["autotuning"] = {"enabled": True, "metric_path": str(directory / "metrics.json")}
+    config["autotuning"] |= {"start_profile_step": args.warmup + 1}
+    config["autotuning"] |= {"end_profile_step": args.warmup + args.steps}
     path = directory / "ds_config.json"
     path.write_text(json.dumps(config, indent=2) + "\n")
     if args.wait_idle > 0:
@@ -289,8 +240,7 @@ def measure_config(args, tmp: Path, base: dict, label: str, tag: str) -> dict:
 
 
 def alternate(args, tmp: Path, configs: dict[str, dict]) -> tuple[dict[str, list[dict]], list]:
-    """`args.rounds` rounds, the order swapped every round; a run that other processes disturbed
-    more than `args.max_other_load` cores is rerun (`args.retries` times, within `args.budget`)."""
+    """`args.rounds` rounds, order swapped each round; disturbed runs are rerun."""
     results: dict[str, list[dict]] = {label: [] for label in configs}
     discarded = []
     started = time.perf_counter()
@@ -300,44 +250,24 @@ def alternate(args, tmp: Path, configs: dict[str, dict]) -> tuple[dict[str, list
         for label in order:
             for attempt in range(args.retries + 1):
                 result = measure_config(args, tmp, configs[label], label, f"r{round_}a{attempt}")
-                quiet = (
-                    result.get("foreign_cores", 0) <= args.max_other_load
-                    and result.get("window_load", 0) <= args.max_other_load
-                )
-                if "error" in result or quiet:
+                loads = (result.get("foreign_cores", 0), result.get("window_load", 0))
+                if "error" in result or max(loads) <= args.max_other_load:
                     break
                 if attempt == args.retries or time.perf_counter() - started > args.budget:
                     result["noisy"] = True
                     break
                 discarded.append(result)
-                print(
-                    f"[round {round_}] {label}: {result['throughput']:.1f} samples/s discarded "
-                    f"(other load {result['foreign_cores']:.2f} cores, "
-                    f"{result['window_load']:.2f} in the timed window), retrying",
-                    flush=True,
-                )
+                print(f"[round {round_}] {label}: discarded (other load {loads}), retrying")
             if "error" in result:
                 raise SystemExit(f"{label} failed ({result['error']}):\n{result['log']}")
             results[label].append(result)
-            print(
-                f"[round {round_}] {label:8s}: {result['throughput']:7.1f} samples/s "
-                f"({1000 * result['step_time_s']:.0f} ms/step, run {result['wall_s']:.0f}s, "
-                f"other load {result['foreign_cores']:.2f} cores, "
-                f"{result['window_load']:.2f} in the timed window"
-                f"{', NOISY' if result.get('noisy') else ''})",
-                flush=True,
-            )
+            noisy = ", NOISY" * bool(result.get("noisy"))
+            print(f"[round {round_}] {label}: {result['throughput']:.1f} samples/s{noisy}")
     return results, discarded
 
 
-# --------------------------------------------------------------------------------------------
-# Report
-# --------------------------------------------------------------------------------------------
-
-
 def missed(summary: dict, tmp: Path, threshold: float) -> list[dict]:
-    """The trials the planner missed by more than `threshold`, with the terms of the estimate the
-    tuner made (the planner fitted to the trials before each)."""
+    """The trials the planner missed by more than `threshold`, with its estimate's terms."""
     measured, out = _measurements(summary, tmp), []
     for index, (row, _) in enumerate(measured):
         error = row["throughput_error"]
@@ -346,46 +276,32 @@ def missed(summary: dict, tmp: Path, threshold: float) -> list[dict]:
         planner = _planner(summary).calibrate([m for _, m in measured[:index]])
         estimate = planner.estimate(_candidate(row))
         measured_s = row["train_batch"] / row["measured_throughput"]
-        out.append(
-            {
-                "name": row["name"],
-                "error": error,
-                "measured_s": measured_s,
-                "estimated_s": estimate.step_time_s,
-                "terms_s": [estimate.compute_s, estimate.optimizer_s, estimate.comm_s],
-                "per_micro_s": (measured_s - estimate.step_time_s) / row["grad_accum"],
-                "fitted_micro_s": planner.micro_step_time(row["stage"]),
-                "stages_fitted": sorted(planner.micro_step_s),
-            }
-        )
+        item = {"name": row["name"], "error": error, "measured_s": measured_s}
+        item["estimated_s"] = estimate.step_time_s
+        item["terms_s"] = [estimate.compute_s, estimate.optimizer_s, estimate.comm_s]
+        item["per_micro_s"] = (measured_s - estimate.step_time_s) / row["grad_accum"]
+        item["fitted_micro_s"] = planner.micro_step_time(row["stage"])
+        out.append(item | {"stages_fitted": sorted(planner.micro_step_s)})
     return out
 
 
 def measure(scenario, args) -> dict:
-    """Tune, then the default/chosen rounds; the estimates other planners make for the same
-    trials and the missed trials' terms are worked out here, while the trials' files exist."""
+    """Tune, then the default/chosen rounds; estimates are worked out while trials exist."""
     tmp = Path(tempfile.mkdtemp(prefix="bench_autotune_"))
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows as it happens
     started = time.perf_counter()
     tuned = run_tuner(args, tmp)
     print(tail(tuned["dir"] / "tune.log", 6000))
     chosen_path = tuned["dir"] / "autotuning_results" / "ds_config_optimal.json"
-    configs = {
-        "default": json.loads(DEMO_CONFIG.read_text()),
-        "chosen": json.loads(chosen_path.read_text()),
-    }
+    configs = {"default": json.loads(DEMO_CONFIG.read_text())}
+    configs["chosen"] = json.loads(chosen_path.read_text())
     rounds, discarded = alternate(args, tmp, configs)
     meta = h.run_meta(time.perf_counter() - started, len(discarded), rounds)
-    return {
-        "scenario": scenario.name,
-        "meta": meta | {"quick": args.quick, "tuner_discarded": tuned["discarded"]},
-        "runs": rounds,
-        "failed": {},
-        "summary": tuned["summary"],
-        "tuner": tuned["run"],
-        "loads": tuned["loads"],
-        "replayed": replayed_estimates(tuned["summary"], tuned["dir"]),
-        "missed": missed(tuned["summary"], tuned["dir"], MISS_THRESHOLD),
-    }
+    meta |= {"quick": args.quick, "tuner_discarded": tuned["discarded"]}
+    out = {"scenario": scenario.name, "meta": meta, "runs": rounds, "failed": {}}
+    out |= {"summary": tuned["summary"], "tuner": tuned["run"], "loads": tuned["loads"]}
+    out["replayed"] = replayed_estimates(tuned["summary"], tuned["dir"])
+    return out | {"missed": missed(tuned["summary"], tuned["dir"], MISS_THRESHOLD)}
 
 
 def percent(value: float | None) -> str:
@@ -397,10 +313,9 @@ def mib(value: float | None) -> str:
 
 
 def trial_table(results: dict) -> tuple[str, dict]:
-    """Every trial: measured and estimated throughput (the tuner's planner, the calibration fit
-    only, the one-point model) and memory; and the mean |error| of each after calibration."""
+    """Every trial: measured and estimated throughput and memory; mean |error| of each."""
     summary, replayed, loads = results["summary"], results["replayed"], results["loads"]
-    scored: dict[str, list[float]] = {"throughput": [], "calibration": [], "one_point": []}
+    scored: dict[str, list[float]] = {k: [] for k in ("throughput", "calibration", "one_point")}
     scored["memory"] = []
     rows = []
     for row in summary["trials"]:
@@ -461,12 +376,11 @@ def rounds_table(results: dict) -> str:
     rows = []
     for label, runs in results["runs"].items():
         samples = render.med(results, label, "throughput")
-        rows.append(
-            [label, f"{samples:.1f}", f"{128 * samples:,.0f}"]
-            + [", ".join(f"{r['throughput']:.1f}" + "*" * bool(r.get("noisy")) for r in runs)]
-            + [f"{h.median(1000 * r['step_time_s'] for r in runs):.0f}"]
-            + [", ".join(f"{r[k]:.2f}" for r in runs) for k in ("foreign_cores", "window_load")]
-        )
+        rounds = ", ".join(f"{r['throughput']:.1f}" + "*" * bool(r.get("noisy")) for r in runs)
+        cells = [f"{samples:.1f}", f"{128 * samples:,.0f}", rounds]
+        cells.append(f"{h.median(1000 * r['step_time_s'] for r in runs):.0f}")
+        loads = [", ".join(f"{r[k]:.2f}" for r in runs) for k in ("foreign_cores", "window_load")]
+        rows.append([label, *cells, *loads])
     columns = ["config", "samples/s (median)", "tokens/s", "all rounds", "ms/step"]
     columns += ["other load (cores, per run)", "other load in the timed window (per run)"]
     return render.table(columns, rows, "lrrlrll")
@@ -475,9 +389,8 @@ def rounds_table(results: dict) -> str:
 def model_table(summary: dict) -> str:
     """The model the tuner fitted: its terms."""
     fitted = summary["calibration"]
-    per_sample = (
-        6 * fitted["num_params"] * fitted["tokens_per_sample"] / fitted["flops_per_s_per_rank"]
-    )
+    flops = 6 * fitted["num_params"] * fitted["tokens_per_sample"]
+    per_sample = flops / fitted["flops_per_s_per_rank"]
     micro = ", ".join(f"stage {s} {1000 * t:.2f}" for s, t in fitted["micro_step_s"].items())
     opt = fitted["optimizer_s_per_param"]
     bandwidth = fitted["bus_bandwidth_bytes_per_s"]
@@ -509,14 +422,9 @@ def missed_table(results: dict) -> str:
 
 def tables(results: dict) -> dict:
     trials, means = trial_table(results)
-    return {
-        "summary": summary_table(results, means),
-        "rounds": rounds_table(results),
-        "trials": trials,
-        "model": model_table(results["summary"]),
-        "missed": missed_table(results),
-        "run": render.run_line(results),
-    }
+    out = {"summary": summary_table(results, means), "rounds": rounds_table(results)}
+    out |= {"trials": trials, "model": model_table(results["summary"])}
+    return out | {"missed": missed_table(results), "run": render.run_line(results)}
 
 
 if __name__ == "__main__":

@@ -1,12 +1,6 @@
-"""Checkpoint save and load: shardspeed vs DeepSpeed, ZeRO stages 2 and 3, world size 2, on the
-98.5M GPT (fp32 AdamW, one training step before the first save so the optimizer state exists).
+"""Checkpoint save, fsync and load: shardspeed vs DeepSpeed, ZeRO stages 2 and 3, on the 98.5M GPT.
 
-    .venv/bin/python benchmarks/bench_checkpoint.py [--quick] [--write]
-
-Per mode, `--repeats` times: save with a new tag (timed between barriers), fsync its files (timed
-apart), drop their pages from the page cache, load into a fresh engine whose parameters were moved
-away (timed), and compare parameters and optimizer state bit for bit with what was saved.
-`ours_reshard` loads the checkpoint ours_s3 kept at world size 1, stage 0 (run it after ours_s3).
+.venv/bin/python benchmarks/bench_checkpoint.py [--quick] [--write]
 """
 
 from __future__ import annotations
@@ -63,9 +57,7 @@ def drop_cached(files) -> None:
 
 
 def content_summary(path: Path) -> dict[str, int]:
-    """Tensor bytes in one checkpoint file by key: a safetensors key up to its last dot
-    (`master`, `optim.exp_avg`), a torch.save file's top-level key, two deep where that holds a
-    dict of containers (`optimizer_state_dict.base_optimizer_state`); each tensor once."""
+    """Tensor bytes in one checkpoint file by key (safetensors prefix or torch.save key)."""
     import torch
 
     out: dict[str, int] = {}
@@ -132,17 +124,14 @@ def compare(saved: list[tuple[str, object]], loaded: list[tuple[str, object]]) -
         if a.dtype != b.dtype or a.shape != b.shape:
             differ.append(name)
             worst = float("inf")
-        elif a.numel() and not torch.equal(
-            a.flatten().view(torch.uint8), b.flatten().view(torch.uint8)
-        ):
+        elif a.numel() and not torch.equal(*(x.flatten().view(torch.uint8) for x in (a, b))):
             differ.append(name)
             worst = max(worst, (a.double() - b.double()).abs().max().item())
     return {"n": len(saved), "equal": not differ, "differ": differ[:5], "max_abs": worst}
 
 
 def make_engine(lib: str, args, stage: int, *, fresh: bool):
-    """An engine over a new model ("ours" or "deepspeed") and the model's parameter count;
-    `fresh`: its parameters moved away from the saved values."""
+    """An engine over a new model and its parameter count; `fresh`: parameters moved away."""
     import torch
 
     model = h.build_lm() if args.small else h.build_lm(**h.LM_100M)
@@ -170,8 +159,7 @@ def worker(mode: str, args) -> dict:
 
 
 def save_and_load(libs, args, mode: str, root: Path, windows, result: dict, rank: int) -> None:
-    """`--repeats` saves and loads; ours_s3 keeps its last checkpoint for ours_reshard (which
-    deletes it; a later ours_s3 run replaces it)."""
+    """`--repeats` saves and loads; ours_s3 keeps its last checkpoint for ours_reshard."""
     import torch
 
     (name, lib) = libs
@@ -239,9 +227,8 @@ def reshard_loads(lib, args, root: Path, windows, result: dict) -> None:
             fresh.load_checkpoint(str(root), tag=tags[-1].name)
         result["loads"].append(windows.last)
         loaded = full_params(lib, fresh, 0)
-        result["checks"].append(
-            {"params": compare(sorted(ref_params.items()), sorted(loaded.items()))}
-        )
+        check = compare(sorted(ref_params.items()), sorted(loaded.items()))
+        result["checks"].append({"params": check})
         del fresh, loaded
         gc.collect()
     shutil.rmtree(root)
@@ -256,31 +243,28 @@ def verdict(run: dict, kind: str) -> str:
     if not bad:
         return f"bit-equal ({checks[0]['n']} tensors x {len(checks)})"
     worst = max(c["max_abs"] for c in bad)
-    return (
-        f"DIFFER in {len(bad)}/{len(checks)} ({', '.join(bad[0]['differ'])}; max abs {worst:.3g})"
-    )
+    first = ", ".join(bad[0]["differ"])
+    return f"DIFFER in {len(bad)}/{len(checks)} ({first}; max abs {worst:.3g})"
 
 
 def tables(results: dict) -> dict:
     med, times = h.median, lambda xs: ", ".join(f"{x:.2f}" for x in xs) or "-"
-    measures = [
-        ("save (s, median)", lambda r: med(r["saves"]), ".2f"),
-        (
-            "save + fsync of its files (s, median)",
-            lambda r: med(map(sum, zip(r["saves"], r["flushes"]))),
-            ".2f",
-        ),
-        ("load into a fresh engine (s, median)", lambda r: med(r["loads"]), ".2f"),
-        ("bytes on disk (MiB)", lambda r: r["bytes"][0] / render.MIB, ".1f"),
-    ]
+
+    def synced(r: dict) -> float:
+        return med(map(sum, zip(r["saves"], r["flushes"])))
+
+    measures = [("save (s, median)", lambda r: med(r["saves"]), ".2f")]
+    measures.append(("save + fsync of its files (s, median)", synced, ".2f"))
+    measures.append(("load into a fresh engine (s, median)", lambda r: med(r["loads"]), ".2f"))
+    measures.append(("bytes on disk (MiB)", lambda r: r["bytes"][0] / render.MIB, ".1f"))
     ratios = []
     for stage, a, b in PAIRS:
         ra, rb = render.runs(results, a), render.runs(results, b)
         for label, get, spec in measures:
             va, vb = (get(r[0]) if r else None for r in (ra, rb))
+            pairs = ((va, a), (vb, b))
             cells = [
-                render.fmt(v, spec) if v is not None else render.failure(results, m)
-                for v, m in ((va, a), (vb, b))
+                render.failure(results, m) if v is None else render.fmt(v, spec) for v, m in pairs
             ]
             ratios.append([stage, label, *cells, render.ratio(va, vb)])
     modes, files = [], []
@@ -295,10 +279,9 @@ def tables(results: dict) -> dict:
             p, o = p + " (vs the parameters ours_s3 saved)", "not checked (other layout)"
         load = render.fmt(r.get("other_load"), ".2f") + "*" * bool(r.get("noisy"))
         size = f"{r['bytes'][0]:,}" if r["bytes"] else "-"
-        modes.append(
-            [mode, world, r["stage"], times(r["saves"]), times(r["flushes"]), times(r["loads"])]
-        )
-        modes[-1] += [size, len(r["files"]), p, o, render.fmt(r["peak_rss_mib"]), load]
+        cells = [r["stage"], times(r["saves"]), times(r["flushes"]), times(r["loads"]), size]
+        cells += [len(r["files"]), p, o, render.fmt(r["peak_rss_mib"]), load]
+        modes.append([mode, world, *cells])
         for name, size in r["files"] if mode != "ours_reshard" else []:
             parts = sorted(r["content"].get(name, {}).items(), key=lambda kv: -kv[1])
             desc = ", ".join(f"`{k}` {v / render.MIB:.1f} MiB" for k, v in parts) or "no tensors"
@@ -310,16 +293,12 @@ def tables(results: dict) -> dict:
     ratio_head = ["stage", "measure", "shardspeed", "DeepSpeed"]
     ratio_head += ["ratio shardspeed / DeepSpeed (lower is better)"]
     file_head = ["mode", "file (in the tag directory)", "bytes", "tensor bytes in it, by key"]
-    outside = sorted(
-        {n for rs in results["runs"].values() for r in rs for n in r.get("outside_tag", [])}
-    )
-    return {
-        "ratios": render.table(ratio_head, ratios, "rlrrr"),
-        "modes": render.table(mode_head, modes, "lrrlllrrllrr"),
-        "files": render.table(file_head, files, "llrl"),
-        "run": render.run_line(results)
-        + (f" Outside the tag directory: {', '.join(outside)}." if outside else ""),
-    }
+    outside = {n for rs in results["runs"].values() for r in rs for n in r.get("outside_tag", [])}
+    run = render.run_line(results)
+    run += f" Outside the tag directory: {', '.join(sorted(outside))}." if outside else ""
+    out = {"ratios": render.table(ratio_head, ratios, "rlrrr")}
+    out["modes"] = render.table(mode_head, modes, "lrrlllrrllrr")
+    return out | {"files": render.table(file_head, files, "llrl"), "run": run}
 
 
 if __name__ == "__main__":

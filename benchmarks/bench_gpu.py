@@ -1,14 +1,6 @@
-"""One GPU, one process: shardspeed's engine against plain torch, FSDP2 and DeepSpeed, in bf16, on
-the benchmarks' GPT made bigger (d_model 1024, 12 layers, 16 heads, sequence 1024: about 161M
-parameters), AdamW (torch's fused kernel everywhere), gradient clipping 1.0.
+"""One GPU, one process, bf16: shardspeed's engine against plain torch, FSDP2 and DeepSpeed.
 
-    python3 benchmarks/bench_gpu.py --deadline 150 --timeout 75 [--quick]
-
-torch: fp32 weights under bf16 autocast; fsdp2: `fully_shard` per block and root with bf16
-parameters and fp32 reduction; ours_s0..s3: `"bf16": {"enabled": true}` at ZeRO stage 0..3;
-deepspeed_s0..s3: the same config with a client `torch.optim.AdamW(fused=True)`, so DeepSpeed
-compiles none of its kernels. Each mode is a fresh process, so peak GPU memory is its own. Runs on
-CPU too (`--quick`: a tiny model), without the GPU memory columns.
+python3 benchmarks/bench_gpu.py --deadline 150 --timeout 75 [--quick]
 """
 
 from __future__ import annotations
@@ -152,13 +144,10 @@ def tables(results: dict) -> dict:
                 ratios.append([ours, base, f"n/a ({base if a else ours} not measured)", "-"])
     head = ["mode", "effective ZeRO stage", "tokens/s", "ms/step", "model TFLOP/s (MFU vs 989)"]
     head += ["peak allocated GiB", "peak reserved GiB", "held after GiB", "loss first -> last"]
-    return {
-        "modes": render.table([*head, "settings"], rows, "lrrrrrrrll"),
-        "ratios": render.table(
-            ["shardspeed", "baseline", "tokens/s ratio", "peak memory ratio"], ratios, "llrr"
-        ),
-        "run": render.run_line(results),
-    }
+    ratio_head = "shardspeed | baseline | tokens/s ratio | peak memory ratio"
+    out = {"modes": render.table([*head, "settings"], rows, "lrrrrrrrll")}
+    out["ratios"] = render.table(ratio_head, ratios, "llrr")
+    return out | {"run": render.run_line(results)}
 
 
 if __name__ == "__main__":

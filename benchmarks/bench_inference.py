@@ -1,17 +1,6 @@
-"""Inference: the hybrid engine, the inference engine, continuous batching, tensor parallelism,
-on a Hugging Face GPT-2 (`GPT2LMHeadModel` from a config: n_embd 512, 8 layers, 8 heads, vocab
-4096, 512 positions, random weights from a fixed seed, fp32, no EOS token so that every generation
-runs to max_new_tokens; greedy decoding throughout).
+"""Inference on a random-weight GPT-2: hybrid engine, inference engine, batching, TP, DeepSpeed.
 
-    .venv/bin/python benchmarks/bench_inference.py [--quick] [--write]
-    .venv/bin/python benchmarks/bench_inference.py --modes zero3 --merge OLD.json --write
-
-Modes: zero3, zero3_tp2 (ZeRO-3 on 2 ranks: naive generation through the hooks against
-`engine.generate`, `inference_tp_size` 1 and 2, and a training step between generations),
-deepspeed_zero3 (its hybrid engine, and naive generation through its ZeRO-3), single (one process:
-Hugging Face `generate`, shardspeed's inference engine, direct `generate`, int8, DeepSpeed's
-`init_inference`), batching (continuous against static), tp1, tp2, tp1_2threads (batch-1 latency,
-shardspeed and DeepSpeed). `--steps` is the timed repetitions, `--warmup` the warm-up calls.
+.venv/bin/python benchmarks/bench_inference.py [--quick] [--write]
 """
 
 from __future__ import annotations
@@ -27,19 +16,12 @@ import torch
 import harness as h
 import render
 
+MODES = dict(zero3=2, zero3_tp2=2, deepspeed_zero3=2, single=1, batching=1, tp1=1, tp2=2)
+MODES["tp1_2threads"] = 1
 SCENARIO = h.Scenario(
     name="inference",
     section="## Inference: hybrid engine, inference engine, continuous batching and TP",
-    modes={
-        "zero3": 2,
-        "zero3_tp2": 2,
-        "deepspeed_zero3": 2,
-        "single": 1,
-        "batching": 1,
-        "tp1": 1,
-        "tp2": 2,
-        "tp1_2threads": 1,
-    },
+    modes=MODES,
     warmup=1,
     steps=3,
     rounds=1,
@@ -60,41 +42,17 @@ TRAIN_TOKENS = 64  # the training step between generations: micro batch 1 of thi
 
 # The generation sizes of a run, by --small: new tokens, batch sizes, batching's requests and
 # their prompt and new-token length ranges, the version check's new tokens.
-SHAPE_KEYS = ("new", "batches", "requests", "prompt_range", "new_range", "check_new")
-SHAPES = {
-    True: (4, (1, 2), 6, (4, 20), (2, 10), 4),
-    False: (64, (1, 4), 32, (8, 128), (8, 128), 16),
-}
+SMALL = dict(new=4, batches=(1, 2), requests=6, prompt_range=(4, 20), new_range=(2, 10))
+FULL = dict(new=64, batches=(1, 4), requests=32, prompt_range=(8, 128), new_range=(8, 128))
+SHAPES = {True: SMALL | {"check_new": 4}, False: FULL | {"check_new": 16}}
 
 
-def shape(small: bool) -> dict:
-    return dict(zip(SHAPE_KEYS, SHAPES[small]))
-
-
-def zero3_config(inference_tp: int, hybrid: bool = True) -> dict:
-    cfg = {
-        "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "AdamW"},
-        "zero_optimization": {"stage": 3},
-    }
-    if hybrid:
-        cfg["hybrid_engine"] = {"enabled": True, "inference_tp_size": inference_tp}
-    return cfg
-
-
-class Recorder:
-    """A worker's result, and the CPU accounting of its measured window (from `start()`)."""
-
-    def __init__(self) -> None:
-        self.data: dict = {}
-        self.window = h.Window(sync=lambda: None)
-
-    def start(self) -> None:
-        self.window.start()
-
-    def result(self) -> dict:
-        self.window.stop()
-        return self.data | self.window.result() | {"peak_rss_mib": h.peak_rss_mib()}
+def zero3_config(inference_tp: int | None) -> dict:
+    """ZeRO-3 at micro batch 1, with the hybrid engine at `inference_tp` (None: without)."""
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}}
+    cfg["zero_optimization"] = {"stage": 3}
+    hybrid = {"hybrid_engine": {"enabled": True, "inference_tp_size": inference_tp}}
+    return cfg | (hybrid if inference_tp else {})
 
 
 def build_model():
@@ -128,30 +86,13 @@ def weight_bytes(module) -> int:
     return h.Census().add("w", [*module.parameters(), *module.buffers()]).bytes["w"]
 
 
-def hf_kwargs(ids: torch.Tensor, new: int) -> dict:
-    """The Hugging Face generate arguments of every HF-form call: greedy, `new` tokens, pad 0,
-    an all-ones attention mask (the prompts have no padding)."""
-    return {
-        "attention_mask": torch.ones_like(ids),
-        "max_new_tokens": new,
-        "do_sample": False,
-        "pad_token_id": 0,
-    }
-
-
 class ForwardClock:
-    """Start, end and input shape (rows, new tokens per row) of every forward of the model (hooks
-    on the top-level model): to split a generate call into time to first token and per-token
-    decode latency, and to time forwards by shape. Every generation loop here runs one forward
-    per new token: the prefill forward (whose logits give token 1), then one decode forward per
-    further token."""
+    """Start, end and input shape of every forward of the model: TTFT and decode latency."""
 
     def __init__(self, model) -> None:
         self.forwards: list[list] = []  # [start, end or None, shape]
-        self.handles = [
-            model.register_forward_pre_hook(self._pre, with_kwargs=True),
-            model.register_forward_hook(self._post),
-        ]
+        pre = model.register_forward_pre_hook(self._pre, with_kwargs=True)
+        self.handles = [pre, model.register_forward_hook(self._post)]
 
     def _pre(self, _module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -166,9 +107,7 @@ class ForwardClock:
             handle.remove()
 
     def timed(self, fn, barrier=None):
-        """(result of fn(), timing dict): total, forwards, ttft (call start to the start of the
-        second forward: prefill plus choosing token 1), decode intervals (start of decode forward
-        k to the start of k+1, the last to the call's end) and the decode forwards' own time."""
+        """(fn(), timing): total, forwards, time to first token, decode intervals."""
         if barrier:
             barrier()
         self.forwards.clear()
@@ -195,12 +134,10 @@ class ForwardClock:
         for start, end, shape in self.forwards:
             times.setdefault(shape, []).append(end - start)
         decode = {r: v for (r, w), v in sorted(times.items()) if w == 1}
-        return {
-            "prefill_s": sum(sum(v) for (_r, w), v in times.items() if w > 1),
-            "decode_s": sum(sum(v) for v in decode.values()),
-            "decode_by_rows": {str(r): statistics.median(v) for r, v in decode.items()},
-            "n": {str(r): len(v) for r, v in decode.items()},
-        }
+        out = {"prefill_s": sum(sum(v) for (_r, w), v in times.items() if w > 1)}
+        out["decode_s"] = sum(sum(v) for v in decode.values())
+        out["decode_by_rows"] = {str(r): statistics.median(v) for r, v in decode.items()}
+        return out | {"n": {str(r): len(v) for r, v in decode.items()}}
 
 
 def failure(e: BaseException) -> dict:
@@ -211,41 +148,29 @@ def failure(e: BaseException) -> dict:
         # The innermost frame in a library under test (torch's own frames say less).
         libs = ("deepspeed/", "shardspeed/", "transformers/")
         f = ([f for f in frames if any(lib in f.filename for lib in libs)] or frames)[-1]
-        name = next(
-            (f.filename.split(m, 1)[1] for m in ("site-packages/", "src/") if m in f.filename),
-            f.filename,
-        )
+        names = [f.filename.split(m, 1)[1] for m in ("site-packages/", "src/") if m in f.filename]
+        name = (names or [f.filename])[0]
         where = f"{name}:{f.lineno}"
     first = (str(e).strip().splitlines() or [""])[0][:300]
     return {"error": f"{type(e).__name__}: {first}", "where": where}
 
 
-def gathered_bytes(volume: dict) -> tuple[int, int]:
-    """(calls, payload bytes) of the all-gathers in a `shardspeed.comm.comm_volume()`."""
-    calls = sum(v["calls"] for k, v in volume.items() if k.startswith("all_gather"))
-    nbytes = sum(v["bytes"] for k, v in volume.items() if k.startswith("all_gather"))
-    return calls, nbytes
-
-
-def worker_zero3(args, rec: Recorder, rank: int, world: int) -> None:
-    """Part 1, shardspeed: naive generation through ZeRO-3 (inference_tp_size 1 only) and
-    `engine.generate`, first call and steady state; then the version check: generate, a training
-    step, generate twice (the inference copy is rebuilt once per weight version, and the tokens
-    follow the weights)."""
+def worker_zero3(args, data: dict, window: h.Window, rank: int, world: int) -> None:
+    """Part 1, shardspeed: naive ZeRO-3 against `engine.generate`, then the version check."""
     import shardspeed
     from shardspeed.comm import comm_volume, reset_comm_volume
 
     itp = 2 if args.worker == "zero3_tp2" else 1
-    sh = shape(args.small)
+    sh = SHAPES[args.small]
     model = build_model()
-    rec.data["params"] = sum(p.numel() for p in model.parameters())
-    rec.data["config"] = cfg = zero3_config(itp)
+    data["params"] = sum(p.numel() for p in model.parameters())
+    data["config"] = cfg = zero3_config(itp)
     engine, *_ = shardspeed.initialize(model=model, config=cfg)
     engine.eval()  # dropout off for the naive path (the hybrid copy is in eval mode anyway)
 
+    @torch.no_grad()
     def naive(ids, n):
-        with torch.no_grad():
-            return engine.module.generate(ids, **hf_kwargs(ids, n))
+        return hf_generate(engine.module.generate, ids, n)
 
     def hybrid(ids, n):
         return engine.generate(ids, max_new_tokens=n, do_sample=False)
@@ -262,11 +187,13 @@ def worker_zero3(args, rec: Recorder, rank: int, world: int) -> None:
         t = {"s": time.perf_counter() - t0, "copies_built": engine.generation_stats["copies_built"]}
         t["built"] = t["copies_built"] - built
         t["gather_s"] = engine.generation_stats["gather_s"] - gather_s
-        t["gather_calls"], t["gather_bytes"] = gathered_bytes(comm_volume())
+        gathers = [v for k, v in comm_volume().items() if k.startswith("all_gather")]
+        t["gather_calls"] = sum(v["calls"] for v in gathers)
+        t["gather_bytes"] = sum(v["bytes"] for v in gathers)
         return out[:, PROMPT:].tolist(), t
 
-    rec.start()
-    rec.data["batches"] = parts = {}
+    window.start()
+    data["batches"] = parts = {}
     for b in sh["batches"]:
         ids = prompts(b, rank)
         row = parts[str(b)] = {"batch": b}
@@ -291,9 +218,8 @@ def worker_zero3(args, rec: Recorder, rank: int, world: int) -> None:
 
     before = generate("generate (weights v0)")
     engine.train()
-    x = torch.randint(
-        0, VOCAB, (1, TRAIN_TOKENS), generator=torch.Generator().manual_seed(500 + rank)
-    )
+    gen = torch.Generator().manual_seed(500 + rank)
+    x = torch.randint(0, VOCAB, (1, TRAIN_TOKENS), generator=gen)
     loss = engine(input_ids=x, labels=x).loss
     engine.backward(loss)
     engine.step()
@@ -304,63 +230,62 @@ def worker_zero3(args, rec: Recorder, rank: int, world: int) -> None:
     check |= {"changed_after_step": before != after, "repeat_same": after == again}
     if itp == 1:
         check["naive_after_identical"] = naive(ids, cn)[0, PROMPT:].tolist() == after
-    rec.data["version_check"] = check
-    rec.data["generation_stats"] = dict(engine.generation_stats)
+    data["version_check"] = check
+    data["generation_stats"] = dict(engine.generation_stats)
 
 
-def worker_deepspeed_zero3(args, rec: Recorder, rank: int, world: int) -> None:
-    """Part 1, DeepSpeed: its hybrid engine (expected not to run on CPU), then naive generation
-    through its ZeRO-3 engine."""
+def worker_deepspeed_zero3(args, data: dict, window: h.Window, rank: int, world: int) -> None:
+    """Part 1, DeepSpeed: its hybrid engine, then naive generation through its ZeRO-3."""
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    sh = shape(args.small)
-    new = sh["new"]
-    rec.start()
-    try:
+    sh = SHAPES[args.small]
+
+    def engine(inference_tp: int | None):
         model = build_model()
-        engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=zero3_config(1)
-        )
-        ids = prompts(1, rank)
-        engine.eval()
-        engine.generate(ids, **hf_kwargs(ids, new))
-        rec.data["hybrid"] = {"ran": True}
+        cfg, params = zero3_config(inference_tp), model.parameters()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
+        return engine.eval()
+
+    window.start()
+    try:
+        hf_generate(engine(1).generate, prompts(1, rank), sh["new"])
+        data["hybrid"] = {"ran": True}
     except Exception as e:
-        rec.data["hybrid"] = failure(e)
+        data["hybrid"] = failure(e)
     h.barrier()
     try:
-        model = build_model()
-        engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=zero3_config(1, hybrid=False)
-        )
-        engine.eval()
-        naive = {}
+        generate, naive = hf_form(engine(None).module.generate), {}
         for b in sh["batches"]:
             ids = prompts(b, rank)
             h.barrier()
             t0 = time.perf_counter()
-            tokens = hf_form(engine.module.generate)(ids, new)
+            tokens = generate(ids, sh["new"])
             h.barrier()
             naive[str(b)] = {"s": time.perf_counter() - t0, "tokens": tokens}
-            rec.data["naive"] = naive
+            data["naive"] = naive
     except Exception as e:
-        rec.data["naive"] = failure(e)
+        data["naive"] = failure(e)
+
+
+def hf_generate(gen_fn, ids: torch.Tensor, n: int):
+    """A Hugging Face-form generate: greedy, `n` new tokens, pad 0, all-ones attention mask."""
+    mask = torch.ones_like(ids)
+    return gen_fn(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
 
 
 def hf_form(gen_fn):
     """A Hugging Face-form generate as call(ids, n) -> the new tokens."""
 
+    @torch.no_grad()
     def call(ids, n):
-        with torch.no_grad():
-            return gen_fn(ids, **hf_kwargs(ids, n))[:, ids.size(1) :].tolist()
+        return hf_generate(gen_fn, ids, n)[:, ids.size(1) :].tolist()
 
     return call
 
 
 def generation_path(name: str, shared):
-    """(module, call(ids, n) -> new tokens, info) of one generation path of `worker_single`;
-    hf, engine and direct share `shared` (init_inference at fp32 leaves it as it is)."""
+    """(module, call(ids, n) -> new tokens, info) of one generation path of `worker_single`."""
     from shardspeed.inference.engine import init_inference
     from shardspeed.inference.generation import generate
     from shardspeed.inference.sampling import SamplingParams
@@ -380,12 +305,8 @@ def generation_path(name: str, shared):
         model = build_model()
         eng = init_inference(model, dtype=torch.int8)
         rep = eng.quantization_report
-        info = {
-            "linear_bytes_before": rep.bytes_before,
-            "linear_bytes_after": rep.bytes_after,
-            "quantized": len(rep.quantized),
-            "skipped": list(rep.skipped),
-        }
+        info = {"linear_bytes_before": rep.bytes_before, "linear_bytes_after": rep.bytes_after}
+        info |= {"quantized": len(rep.quantized), "skipped": list(rep.skipped)}
         return model, hf_form(eng.generate), info
     if name == "deepspeed":
         eng = deepspeed_inference(1)
@@ -393,12 +314,12 @@ def generation_path(name: str, shared):
     raise ValueError(name)
 
 
-def worker_single(args, rec: Recorder, _rank: int, _world: int) -> None:
+def worker_single(args, data: dict, window: h.Window, _rank: int, _world: int) -> None:
     """Part 2: the generation paths of one process, interleaved over the repetitions."""
-    sh = shape(args.small)
+    sh = SHAPES[args.small]
     shared = build_model()  # hf, engine and direct: init_inference at fp32 leaves it as it is
-    rec.data["weights_fp32_bytes"] = weight_bytes(shared)
-    out, paths = rec.data.setdefault("methods", {}), {}
+    data["weights_fp32_bytes"] = weight_bytes(shared)
+    out, paths = data.setdefault("methods", {}), {}
     for name in METHOD_LABELS:
         try:
             module, call, info = generation_path(name, shared)
@@ -410,7 +331,7 @@ def worker_single(args, rec: Recorder, _rank: int, _world: int) -> None:
         for (_module, call, _clock), b in itertools.product(paths.values(), sh["batches"]):
             with contextlib.suppress(Exception):
                 call(prompts(b, 0), 4)
-    rec.start()
+    window.start()
     for _rep in range(args.steps):
         for name, (module, call, clock) in list(paths.items()):
             for b in sh["batches"]:
@@ -423,13 +344,11 @@ def worker_single(args, rec: Recorder, _rank: int, _world: int) -> None:
                     break
                 out[name]["runs"].setdefault(str(b), []).append(timing)
                 out[name].setdefault("tokens", {})[str(b)] = tokens
-    rec.data["kernel"] = int8_kernel_times(args.small)
+    data["kernel"] = int8_kernel_times(args.small)
 
 
 def int8_kernel_times(small: bool) -> dict:
-    """One linear of the model's shape (`attn.c_attn`: 512 -> 1536) on 1 row (a decode step)
-    and 32 rows (the prefill): fp32 `F.linear` against the int8 kernel shardspeed's CPU path
-    calls (`aten._weight_int8pack_mm`, contiguous weight), median microseconds."""
+    """Median microseconds of fp32 `F.linear` and the int8 kernel on 512 -> 1536 linears."""
     import torch.nn.functional as F
 
     from shardspeed.inference.quantization import quantize_weight
@@ -456,41 +375,35 @@ def int8_kernel_times(small: bool) -> dict:
     return out
 
 
-def worker_batching(args, rec: Recorder, _rank: int, _world: int) -> None:
+def worker_batching(args, data: dict, window: h.Window, _rank: int, _world: int) -> None:
     """Part 3: continuous against static batching on the mixed-length workload."""
     import dataclasses
 
     from shardspeed.inference.generation import ContinuousBatcher
     from shardspeed.inference.sampling import SamplingParams
 
-    sh = shape(args.small)
+    sh = SHAPES[args.small]
     reqs = workload(sh["requests"], sh["prompt_range"], sh["new_range"])
     needs = sorted((-(-(len(p) + m - 1) // BLOCK_SIZE) for p, m in reqs), reverse=True)
     cache_blocks = sum(needs[:MAX_BATCH])
     model = build_model()
-    rec.data["workload"] = {
-        "requests": len(reqs),
-        "prompt_lengths": [len(p) for p, _ in reqs],
-        "max_new_tokens": [m for _, m in reqs],
-        "cache_blocks": cache_blocks,
-        "block_size": BLOCK_SIZE,
-        "max_batch_size": MAX_BATCH,
-    }
+    data["workload"] = {"requests": len(reqs), "prompt_lengths": [len(p) for p, _ in reqs]}
+    data["workload"] |= {"max_new_tokens": [m for _, m in reqs], "cache_blocks": cache_blocks}
+    data["workload"] |= {"block_size": BLOCK_SIZE, "max_batch_size": MAX_BATCH}
     # Warm-up: a few requests through a small batcher.
     for _ in range(args.warmup):
         b = ContinuousBatcher(model, MAX_BATCH, cache_blocks, BLOCK_SIZE)
         for p, _m in reqs[:MAX_BATCH]:
             b.add_request(p, SamplingParams(max_new_tokens=4))
         b.run()
-    rec.start()
-    runs = rec.data["runs"] = {"continuous": [], "static": []}
+    window.start()
+    runs = data["runs"] = {"continuous": [], "static": []}
     results: dict = {}
     for rep in range(max(1, min(args.steps, 2))):
         order = ("continuous", "static") if rep % 2 == 0 else ("static", "continuous")
         for kind in order:
-            batcher = ContinuousBatcher(
-                model, MAX_BATCH, cache_blocks, BLOCK_SIZE, continuous=kind == "continuous"
-            )
+            sizes = (MAX_BATCH, cache_blocks, BLOCK_SIZE)
+            batcher = ContinuousBatcher(model, *sizes, continuous=kind == "continuous")
             ids = [batcher.add_request(p, SamplingParams(max_new_tokens=m)) for p, m in reqs]
             clock = ForwardClock(model) if rep == 0 else None
             done_at: dict[int, float] = {}
@@ -500,50 +413,39 @@ def worker_batching(args, rec: Recorder, _rank: int, _world: int) -> None:
                     done_at[rid] = time.perf_counter() - t0
             total = time.perf_counter() - t0
             out = batcher.run()
-            runs[kind].append(
-                {
-                    "s": total,
-                    "stats": dataclasses.asdict(batcher.stats),
-                    "latency_s": [done_at[i] for i in ids],
-                    "forwards": clock.by_shape() if clock else None,
-                }
-            )
+            run = {"s": total, "stats": dataclasses.asdict(batcher.stats)}
+            run["latency_s"] = [done_at[i] for i in ids]
+            runs[kind].append(run | {"forwards": clock.by_shape() if clock else None})
             if clock:
                 clock.remove()
             results.setdefault(kind, [out[i] for i in ids])
     same = [a == b for a, b in zip(results["continuous"], results["static"])]
-    rec.data["same_results"] = sum(same)
-    rec.data["tokens_generated"] = sum(len(t) for t in results["continuous"])
+    data["same_results"] = sum(same)
+    data["tokens_generated"] = sum(len(t) for t in results["continuous"])
 
 
 def deepspeed_inference(tp: int, policy: bool = False):
-    """DeepSpeed's init_inference at fp32 and tensor parallelism `tp` (`policy`: GPT-2's row
-    layers named)."""
+    """DeepSpeed's init_inference at fp32 and TP `tp` (`policy`: GPT-2's row layers named)."""
     import deepspeed
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     deepspeed.init_distributed(dist_backend="gloo")
     kw = {"injection_policy": {GPT2Block: ("attn.c_proj", "mlp.c_proj")}} if policy else {}
-    return deepspeed.init_inference(
-        build_model(),
-        tensor_parallel={"tp_size": tp},
-        dtype=torch.float32,
-        replace_with_kernel_inject=False,
-        **kw,
-    )
+    kw |= dict(tensor_parallel={"tp_size": tp}, replace_with_kernel_inject=False)
+    return deepspeed.init_inference(build_model(), dtype=torch.float32, **kw)
 
 
-def worker_tp(args, rec: Recorder, rank: int, world: int) -> None:
+def worker_tp(args, data: dict, window: h.Window, rank: int, world: int) -> None:
     """Part 4: batch-1 latency at tensor parallelism `world`, shardspeed then DeepSpeed."""
     import torch.distributed as dist
 
     from shardspeed.comm import comm_volume, reset_comm_volume
     from shardspeed.inference.engine import init_inference
 
-    new = shape(args.small)["new"]
+    new = SHAPES[args.small]["new"]
     ids = prompts(1, 0)  # every rank of the group the same prompt
-    impls = rec.data["impls"] = {}
-    rec.start()
+    impls = data["impls"] = {}
+    window.start()
 
     def measure(name: str, make) -> None:
         try:
@@ -590,7 +492,7 @@ def worker_tp(args, rec: Recorder, rank: int, world: int) -> None:
         t0 = time.perf_counter()
         for _ in range(n):
             dist.all_reduce(x)
-        rec.data["allreduce_us"] = 1e6 * (time.perf_counter() - t0) / n
+        data["allreduce_us"] = 1e6 * (time.perf_counter() - t0) / n
 
 
 WORKERS = {"zero3": worker_zero3, "zero3_tp2": worker_zero3}
@@ -604,14 +506,11 @@ def worker(mode: str, args) -> dict:
     rank, world = h.setup(threads, init=SCENARIO.modes[mode] > 1)
     if mode == "deepspeed_zero3":
         h.library("deepspeed")
-    rec = Recorder()
-    WORKERS[mode](args, rec, rank, world)
-    return rec.result() | {"shape": shape(args.small), "threads": threads}
-
-
-# --------------------------------------------------------------------------------------------
-# Tables
-# --------------------------------------------------------------------------------------------
+    data, window = {}, h.Window(sync=lambda: None)
+    WORKERS[mode](args, data, window, rank, world)
+    window.stop()
+    extra = {"peak_rss_mib": h.peak_rss_mib(), "shape": SHAPES[args.small], "threads": threads}
+    return data | window.result() | extra
 
 
 def data_of(runs: dict, key: str) -> dict | None:
@@ -663,9 +562,8 @@ def zero3_table(runs: dict, world: int = 2) -> str:
         first, steady, verdict, ident, tp2, ds = "-", None, "-", None, "-", "-"
         if "hybrid_first" in zb:
             f = zb["hybrid_first"]
-            first = f"{f['s']:.2f} " + (
-                f"({f['gather_s']:.2f} building the copy)" if f["built"] else "(copy already built)"
-            )
+            built = f"{f['gather_s']:.2f} building the copy" if f["built"] else "copy already built"
+            first = f"{f['s']:.2f} ({built})"
             steady = steady_tps(zb, tokens)
             if naive and steady:
                 verdict = f"{steady / naive:.2f}x {'met' if steady / naive >= 5 else 'MISSED'}"
@@ -674,14 +572,11 @@ def zero3_table(runs: dict, world: int = 2) -> str:
             ident = all(x.get("identical") for x in ranks) if ranks else zb.get("identical")
         if "hybrid_first" in z2b and (tp2_tps := steady_tps(z2b, tokens)):
             pairs = list(zip(rank_data(runs, "zero3"), rank_data(runs, "zero3_tp2")))
-            same = [
-                batch(a, b).get("naive_tokens") == batch(c, b).get("hybrid_tokens")
-                for a, c in pairs
-            ]
+            naive_tokens = [batch(a, b).get("naive_tokens") for a, _ in pairs]
+            same = [x == batch(c, b).get("hybrid_tokens") for x, (_, c) in zip(naive_tokens, pairs)]
             tp2 = f"{z2b['hybrid_first']['s']:.2f} / {tp2_tps:.1f} / "
-            tp2 += (
-                f"{fmt(naive and tp2_tps / naive, '.2f')}x / {yes_no(all(same) if pairs else None)}"
-            )
+            tp2 += f"{fmt(naive and tp2_tps / naive, '.2f')}x / "
+            tp2 += yes_no(all(same) if pairs else None)
         if isinstance(ds_naive, dict) and str(b) in ds_naive:
             ds = f"{tokens / ds_naive[str(b)]['s']:.1f}"
             if zb.get("naive_tokens") is not None:
@@ -774,8 +669,7 @@ TP_RUNS = (("tp1", 1, 1), ("tp2", 2, 1), ("tp1_2threads", 1, 2))
 
 
 def tp_table(runs: dict) -> str:
-    """Batch-1 latency per implementation and tp; speed-ups and tokens against tp 1 (the same
-    implementation's, else shardspeed's)."""
+    """Batch-1 latency per implementation and tp; speed-ups and tokens against tp 1."""
     out, base = [], {}
     for key, tp, threads in TP_RUNS:  # tp1 first: the others' reference
         for impl, e in ((data_of(runs, key) or {}).get("impls") or {}).items():
@@ -878,15 +772,11 @@ def tables(results: dict) -> dict:
         "zero3": zero3_table(runs),
         "gathers": gather_table(runs),
         "versions": version_table(runs),
-        "single": single_table(runs),
-        "kernel": kernel_table(runs),
-        "batching": batching_table(runs),
-        "decode-rows": decode_rows_table(runs),
-        "tp": tp_table(runs),
-        "runs": runs_table(results),
-        "run": render.run_line(results),
     }
-    return out
+    out |= {"single": single_table(runs), "kernel": kernel_table(runs)}
+    out |= {"batching": batching_table(runs), "decode-rows": decode_rows_table(runs)}
+    out |= {"tp": tp_table(runs), "runs": runs_table(results)}
+    return out | {"run": render.run_line(results)}
 
 
 if __name__ == "__main__":

@@ -1,12 +1,11 @@
-"""Mixture of experts on 2 ranks: expert parallelism (EP2) vs data parallelism (shardspeed, DDP,
-FSDP2, DeepSpeed), at ZeRO stages 0 and 2: tokens/s, memory, all-to-alls, expert load, time in the
-MoE layers.
+"""Mixture of experts on 2 ranks: expert parallelism vs data parallelism, ZeRO stages 0 and 2.
 
-    .venv/bin/python benchmarks/bench_moe.py [--quick] [--write]
+.venv/bin/python benchmarks/bench_moe.py [--quick] [--write]
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 
@@ -16,18 +15,10 @@ import render
 N_BLOCKS, NUM_EXPERTS, CAPACITY_FACTOR, MIN_CAPACITY, AUX_WEIGHT = 4, 8, 1.25, 4, 0.01
 GATE_SEED, EXPERT_SEED = 7000, 9000  # gate of block b; expert g of block b: + 100 b + g
 # mode -> (library, ep_size, ZeRO stage or None)
-MODES = {
-    "ours_ep2": ("ours", 2, 0),
-    "ours_ep2_s2": ("ours", 2, 2),
-    "ours_dp": ("ours", 1, 0),
-    "ours_dp_s2": ("ours", 1, 2),
-    "ddp": ("ddp", 1, None),
-    "fsdp2": ("fsdp2", 1, None),
-    "deepspeed_ep2": ("deepspeed", 2, 0),
-    "deepspeed_ep2_s2": ("deepspeed", 2, 2),
-    "deepspeed_dp": ("deepspeed", 1, 0),
-    "deepspeed_dp_s2": ("deepspeed", 1, 2),
-}
+MODES = {"ours_ep2": ("ours", 2, 0), "ours_ep2_s2": ("ours", 2, 2), "ours_dp": ("ours", 1, 0)}
+MODES |= {"ours_dp_s2": ("ours", 1, 2), "ddp": ("ddp", 1, None), "fsdp2": ("fsdp2", 1, None)}
+MODES |= {"deepspeed_ep2": ("deepspeed", 2, 0), "deepspeed_ep2_s2": ("deepspeed", 2, 2)}
+MODES |= {"deepspeed_dp": ("deepspeed", 1, 0), "deepspeed_dp_s2": ("deepspeed", 1, 2)}
 SCENARIO = h.Scenario(
     name="moe",
     section="## Mixture of experts: expert parallelism (EP2) vs data parallelism",
@@ -54,20 +45,19 @@ STATES_HEADER += " + optimizer states)"
 
 
 def moe_block(lib: str, ep: int, ep_rank: int):
-    """examples/gpt.py's block (same attention weights under the layer's seed) with its MLP
-    replaced by an MoE layer whose gate and experts come from seeds of their own, so every mode
-    at either ep_size holds the same weights; returns (x, AUX_WEIGHT x l_aux)."""
+    """examples/gpt.py's block with its MLP an MoE layer; returns (x, AUX_WEIGHT x l_aux)."""
     import torch
     from torch import nn
 
     from gpt import Block
 
-    MoE = (
-        h.library("deepspeed").moe.layer
-        if lib == "deepspeed"
-        else __import__("shardspeed.moe.layer", fromlist=["MoE"])
-    ).MoE
+    if lib == "deepspeed":
+        MoE = h.library("deepspeed").moe.layer.MoE
+    else:
+        from shardspeed.moe.layer import MoE
     d = h.D_MODEL
+    options = dict(num_experts=NUM_EXPERTS, ep_size=ep, k=1, capacity_factor=CAPACITY_FACTOR)
+    options |= dict(min_capacity=MIN_CAPACITY, drop_tokens=True, use_rts=False)
 
     def expert():
         return nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
@@ -75,17 +65,7 @@ def moe_block(lib: str, ep: int, ep_rank: int):
     class MoEBlock(Block):
         def __init__(self, index: int) -> None:
             super().__init__(h.lm_config())
-            self.mlp = MoE(
-                d,
-                expert(),
-                num_experts=NUM_EXPERTS,
-                ep_size=ep,
-                k=1,
-                capacity_factor=CAPACITY_FACTOR,
-                min_capacity=MIN_CAPACITY,
-                drop_tokens=True,
-                use_rts=False,
-            )
+            self.mlp = MoE(d, expert(), **options)
             layer, local = self.mlp.deepspeed_moe, NUM_EXPERTS // ep
             with torch.no_grad():
                 torch.manual_seed(GATE_SEED + index)
@@ -103,18 +83,19 @@ def moe_block(lib: str, ep: int, ep_rank: int):
 
 
 class ForwardTimer:
-    """Seconds in the forwards of `modules`, and how much of `inner()` (a running total of
-    seconds) grew inside them."""
+    """Seconds in the forwards of `modules`, and how much of `inner()` grew inside them."""
 
     def __init__(self, modules, inner=lambda: 0.0) -> None:
         import time
 
         self.seconds = self.inner_seconds = 0.0
         self.start: dict = {}
+
+        def begin(mod, _args) -> None:
+            self.start[id(mod)] = (time.perf_counter(), inner())
+
         for m in modules:
-            m.register_forward_pre_hook(
-                lambda mod, _a: self.start.__setitem__(id(mod), (time.perf_counter(), inner()))
-            )
+            m.register_forward_pre_hook(begin)
             m.register_forward_hook(
                 lambda mod, _a, _o: self.stop(mod, time.perf_counter(), inner())
             )
@@ -138,22 +119,18 @@ def expert_load(lib: str, engine, layers, tokens: int) -> list:
         return [[v["imbalance"], imbalance(v["exp_counts"]), float(v["dropped"])] for v in loads]
     if lib == "deepspeed":
         capacity = max(math.ceil(tokens / NUM_EXPERTS * CAPACITY_FACTOR), MIN_CAPACITY)
-        pairs = [
-            (m.deepspeed_moe.exp_counts, m.deepspeed_moe.exp_counts.clamp(max=capacity))
-            for m in layers
-        ]
+        counted = [m.deepspeed_moe.exp_counts for m in layers]
+        pairs = [(c, c.clamp(max=capacity)) for c in counted]
     else:
-        pairs = [
-            (g["exp_counts"], g["tokens_per_expert"]) for g in (m.expert_load() for m in layers)
-        ]
+        loads = [m.expert_load() for m in layers]
+        pairs = [(g["exp_counts"], g["tokens_per_expert"]) for g in loads]
     counts = torch.stack([torch.stack([a, b]) for a, b in pairs]).to(torch.int64)
     dist.all_reduce(counts)
     return [[imbalance(k), imbalance(d), (d.sum() - k.sum()).item()] for d, k in counts]
 
 
 def census(lib: str, stage, handle, model, params) -> dict:
-    """Model states after backward: shardspeed's memory_breakdown(), FSDP2's and DeepSpeed
-    stage 2's census, else parameters, gradients and the torch optimizer's state."""
+    """Model states after backward, per framework."""
     if lib == "ours":
         mem = handle.memory_breakdown()
         return {k: mem[k] for k in h.STATE_KINDS} | {"breakdown_total": mem["total"]}
@@ -161,9 +138,7 @@ def census(lib: str, stage, handle, model, params) -> dict:
         return h.census_fsdp2(model, handle)
     if lib == "deepspeed" and stage == 2:
         return h.census_deepspeed(handle)
-    opt = getattr(handle, "optimizer", handle)
-    c = h.Census().add("parameters", params).add("gradients", [p.grad for p in params])
-    return c.add("optimizer_states", h.optimizer_state(opt)).result()
+    return h.census_torch(params, getattr(handle, "optimizer", handle))
 
 
 def worker(mode: str, args) -> dict:
@@ -211,21 +186,12 @@ def worker(mode: str, args) -> dict:
     states = census(lib, stage, engine, model, params)
     update()
     comm.active = False
-    expert_local = h.local_numel(
-        p for name, p in model.named_parameters() if "deepspeed_experts" in name
-    )
-    return result | {
-        "comm": comm.snapshot(),
-        **h.loss_curve(rec["losses"][:n]),
-        "model_states": states,
-        "params_local": h.local_numel(params),
-        "expert_params_local": expert_local,
-        "loads": rec["loads"][:n],
-        "loads_timed": rec["loads"][args.warmup : n],
-        "times_timed": rec["times"][args.warmup : n],
-        "peak_rss_mib": h.peak_rss_mib(),
-        "comm_volume": comm_volume() if lib == "ours" else None,
-    }
+    experts = [p for name, p in model.named_parameters() if "deepspeed_experts" in name]
+    result |= {"comm": comm.snapshot(), **h.loss_curve(rec["losses"][:n]), "model_states": states}
+    result |= {"params_local": h.local_numel(params), "expert_params_local": h.local_numel(experts)}
+    result |= {"loads": rec["loads"][:n], "loads_timed": rec["loads"][args.warmup : n]}
+    result |= {"times_timed": rec["times"][args.warmup : n], "peak_rss_mib": h.peak_rss_mib()}
+    return result | {"comm_volume": comm_volume() if lib == "ours" else None}
 
 
 def twin(mode: str) -> str | None:
@@ -246,10 +212,8 @@ def memory_table(results: dict) -> str:
         return render.per_rank(results, mode, fn)
 
     def states(mode: str) -> str:
-        parts = [
-            render.slash([v / mib for v in ranks(mode, lambda r, k=k: r["model_states"][k])])
-            for k in h.STATE_KINDS
-        ]
+        kinds = [ranks(mode, lambda r, k=k: r["model_states"][k]) for k in h.STATE_KINDS]
+        parts = [render.slash([v / mib for v in values]) for values in kinds]
         first = render.runs(results, mode)[0]["ranks"]
         total = [sum(r["model_states"][k] for k in h.STATE_KINDS) for r in first]
         return f"{render.slash([t / mib for t in total])} ({' + '.join(parts)})"
@@ -258,20 +222,12 @@ def memory_table(results: dict) -> str:
         values = ranks(mode, lambda r: r["model_states"].get("breakdown_total", 0))
         return render.slash([b / mib for b in values]) if any(values) else "-"
 
-    def experts(mode: str) -> str:
-        return render.millions(results, mode, "expert_params_local")
-
-    def param_mib(mode: str) -> str:
-        return render.slash([4 * p / mib for p in ranks(mode, lambda r: r["params_local"])])
-
-    spec = [
-        ("mode", "l", str),
-        ("parameters per rank (rank 0 / 1)", "l", lambda m: render.millions(results, m)),
-        ("of which expert parameters", "l", experts),
-        ("parameter bytes (MiB)", "l", param_mib),
-        (STATES_HEADER, "l", states),
-        ("`memory_breakdown()` total (MiB)", "l", breakdown),
-    ]
+    spec = [("mode", "l", str)]
+    millions = functools.partial(render.millions, results)
+    spec.append(("parameters per rank (rank 0 / 1)", "l", millions))
+    spec.append(("of which expert parameters", "l", lambda m: millions(m, "expert_params_local")))
+    spec.append(render.mib_column(results, "parameter bytes (MiB)", "params_local", 4))
+    spec += [(STATES_HEADER, "l", states), ("`memory_breakdown()` total (MiB)", "l", breakdown)]
     return render.columns(spec + render.rss_columns(results), render.measured(results))
 
 
@@ -282,9 +238,8 @@ def comm_load_table(results: dict) -> str:
         r0 = rs[0]["ranks"][0]
         calls, nbytes = r0["comm"]["calls"], r0["comm"]["bytes"]
         vol = (r0.get("comm_volume") or {}).get("all_to_all")
-        a2a = (
-            f"{calls.get('all_to_all_single', 0)} x, {nbytes.get('all_to_all_single', 0) / mib:.1f}"
-        )
+        a2a = calls.get("all_to_all_single", 0), nbytes.get("all_to_all_single", 0) / mib
+        a2a = f"{a2a[0]} x, {a2a[1]:.1f}"
         if vol is not None:
             a2a = f"{vol['calls']} x, {vol['bytes'] / mib:.1f} (comm_volume)"
         reduced = sum(nbytes.get(n, 0) for n in REDUCTIONS) / mib
@@ -298,18 +253,14 @@ def comm_load_table(results: dict) -> str:
         seen = (*REDUCTIONS, "all_to_all_single", *alone)
         rest = {n: calls[n] for n in calls if n not in seen}
         other = render.comm_text(rest, {n: nbytes[n] for n in rest}) if rest else "-"
+
         # Per run, the mean over timed steps of: the largest imbalance and router demand
         # imbalance over layers, and the tokens dropped in all layers; then the median over runs.
-        stats = [
-            [
-                statistics.fmean(
-                    max(layer[i] for layer in s) if i < 2 else sum(layer[2] for layer in s)
-                    for s in run["ranks"][0]["loads_timed"]
-                )
-                for i in range(3)
-            ]
-            for run in rs
-        ]
+        def step_stat(s: list, i: int) -> float:
+            return max(layer[i] for layer in s) if i < 2 else sum(layer[2] for layer in s)
+
+        timed = [run["ranks"][0]["loads_timed"] for run in rs]
+        stats = [[statistics.fmean(step_stat(s, i) for s in t) for i in range(3)] for t in timed]
         loads = [statistics.median(s[i] for s in stats) for i in range(3)]
         load_cells = [f"{v:{f}}" for v, f in zip(loads, (".2f", ".2f", ".0f"))]
         return [mode, a2a, red, other, *load_cells, f"{rs[0]['first_loss']:.6f}"]
@@ -324,12 +275,9 @@ def comm_load_table(results: dict) -> str:
 
 def time_table(results: dict) -> str:
     def row(mode: str, rs: list) -> list:
-        moe, experts, a2a, a2a_fwd = (
-            statistics.median(
-                statistics.fmean(t[i] for t in run["ranks"][0]["times_timed"]) for run in rs
-            )
-            for i in range(4)
-        )
+        timed = [run["ranks"][0]["times_timed"] for run in rs]
+        means = [[statistics.fmean(t[i] for t in steps) for steps in timed] for i in range(4)]
+        moe, experts, a2a, a2a_fwd = (statistics.median(m) for m in means)
         parts = [moe, experts, a2a_fwd, moe - experts - a2a_fwd, a2a - a2a_fwd]
         step_ms = render.fmt(render.med(results, mode, "step_ms"))
         return [mode, step_ms, *(f"{v:.0f}" for v in parts)]
@@ -344,9 +292,8 @@ def time_table(results: dict) -> str:
 def tables(results: dict) -> dict:
     own = {"memory": memory_table(results), "comm": comm_load_table(results)}
     own["time"] = time_table(results)
-    return render.training_tables(
-        results, SCENARIO.comparisons, throughput_table(results), own, 1e-5
-    )
+    throughput = throughput_table(results)
+    return render.training_tables(results, SCENARIO.comparisons, throughput, own, 1e-5)
 
 
 if __name__ == "__main__":

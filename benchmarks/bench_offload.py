@@ -1,13 +1,6 @@
-"""Optimizer offload: step time with optimizer states in memory, "on the CPU", or on NVMe; and the
-headline run, a model whose fp32 Adam states exceed 1.5x the machine's memory, trained from NVMe.
+"""Optimizer offload (none, cpu, nvme, pipelined nvme); `--headline`: 2.5B parameters from NVMe.
 
-    .venv/bin/python benchmarks/bench_offload.py [--quick] [--write]             # none/cpu/nvme
-    .venv/bin/python benchmarks/bench_offload.py --headline [--quick] [--write]  # 2.5B parameters
-
-Modes none, cpu, nvme, nvme_pipelined: ZeRO stage 2 at world size 2 on the 98.5M GPT, differing
-only in `offload_optimizer`; every mode gets the same `sub_group_size` (about `--pieces` master
-tensors per rank) and the NVMe modes the same `aio` section. The worker wraps the swapper's
-`read` / `write` to time every transfer and every wait (no change to shardspeed).
+.venv/bin/python benchmarks/bench_offload.py [--headline] [--quick] [--write]
 """
 
 from __future__ import annotations
@@ -48,8 +41,7 @@ HEADLINE_STEPS = 3
 
 
 def piece_limit(sizes: list[int], pieces: int) -> int:
-    """The smallest `sub_group_size` for which runs of whole tensors of these sizes (cut greedily
-    in the given order, as the ZeRO layout does) number at most `pieces`."""
+    """The smallest `sub_group_size` that cuts tensors of these sizes into <= `pieces` runs."""
 
     def count(limit: int) -> int:
         n, run = 1, 0
@@ -74,10 +66,8 @@ def offload_config(mode: str, args, sizes: list[int], swap: str) -> dict:
         zero["offload_optimizer"] = {"device": "cpu"}
     elif mode in NVME_MODES:
         pipelined = mode == "nvme_pipelined"
-        zero["offload_optimizer"] = {
-            "device": "nvme",
-            "nvme_path": swap,
-            "buffer_count": 4,
+        offload = {"device": "nvme", "nvme_path": swap, "buffer_count": 4}
+        zero["offload_optimizer"] = offload | {
             "pipeline_read": pipelined,
             "pipeline_write": pipelined,
         }
@@ -88,15 +78,11 @@ def offload_config(mode: str, args, sizes: list[int], swap: str) -> dict:
 def headline_config(swap: str) -> dict:
     """Stage 3, one block whole at a time, no prefetch; masters and moments on NVMe."""
     cfg = h.config(1, 3)
-    cfg["zero_optimization"] |= {
-        "reduce_bucket_size": 20_000_000,
-        "stage3_prefetch_bucket_size": 0,
-        "stage3_max_reuse_distance": 0,
-        "stage3_max_live_parameters": 110_000_000,
-        "sub_group_size": 100_000_000,
-        "offload_optimizer": {"device": "nvme", "nvme_path": swap},
-        "offload_param": {"device": "nvme", "nvme_path": swap},
-    }
+    zero = {"reduce_bucket_size": 20_000_000, "stage3_prefetch_bucket_size": 0}
+    zero |= {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 110_000_000}
+    nvme = {"device": "nvme", "nvme_path": swap}
+    cfg["zero_optimization"] |= zero | {"sub_group_size": 100_000_000}
+    cfg["zero_optimization"] |= {"offload_optimizer": nvme, "offload_param": dict(nvme)}
     return cfg
 
 
@@ -108,8 +94,7 @@ class _Transfer:
 
 
 class _TimedFuture(Future):
-    """A swapper future that notes when it completed and how long `result()` blocked; futures
-    the swapper returns are switched to this class, so `SwappedStates` waits here, unchanged."""
+    """A swapper future that notes when it completed and how long `result()` blocked."""
 
     def set_result(self, result):
         rec = getattr(self, "_bench", None)
@@ -178,14 +163,9 @@ class StepProbe:
             if b > end:
                 busy += b - max(a, end)
                 end = b
-        return {
-            "adam_s": adam,
-            "io_waited_s": sum(r.waited for r in recs),
-            "io_busy_s": busy,
-            "io_sum_s": sum(b - a for a, b in spans),
-            "io_bytes": sum(r.nbytes for r in recs),
-            "io_transfers": len(recs),
-        }
+        out = {"adam_s": adam, "io_waited_s": sum(r.waited for r in recs), "io_busy_s": busy}
+        out |= {"io_sum_s": sum(b - a for a, b in spans), "io_bytes": sum(r.nbytes for r in recs)}
+        return out | {"io_transfers": len(recs)}
 
 
 def worker(mode: str, args) -> dict:
@@ -226,15 +206,12 @@ def offload_steps(rank: int, args, mode: str, swap: str) -> dict:
             per_step.append({"step_s": t2 - t0, "fwd_bwd_s": t1 - t0, "engine_step_s": t2 - t1})
             per_step[-1].update(probe.take())
     window.stop()
-    result = window.result() | {
-        "losses": losses,
-        "per_step": per_step,
-        "memory": engine.memory_breakdown(),
-        "pieces": len(engine.optimizer.masters),
-        "largest_piece": max(m.numel() for m in engine.optimizer.masters),
-        "sub_group_size": cfg["zero_optimization"]["sub_group_size"],
-        "o_direct": probe.direct,
-    }
+    masters = engine.optimizer.masters
+    result = window.result() | {"losses": losses, "per_step": per_step}
+    result |= {"memory": engine.memory_breakdown(), "pieces": len(masters)}
+    result["largest_piece"] = max(m.numel() for m in masters)
+    result["sub_group_size"] = cfg["zero_optimization"]["sub_group_size"]
+    result["o_direct"] = probe.direct
     engine.destroy()  # removes the swap files
     return result
 
@@ -261,21 +238,15 @@ def headline(rank: int, args, _mode: str, swap: str) -> dict:
     memory = engine.memory_breakdown()
     engine.destroy()
     params = sum(p.ds_numel for p in model.parameters())
-    return {"params": params, "build_s": built, "step_s": times, "losses": losses} | {
-        "on_nvme": memory["on_nvme"],
-        "in_memory": memory["total"],
-    }
+    result = {"params": params, "build_s": built, "step_s": times, "losses": losses}
+    return result | {"on_nvme": memory["on_nvme"], "in_memory": memory["total"]}
 
 
 def summary(runs: list[dict]) -> dict:
-    """Per step the slowest rank's step time (median, min, max over all rounds); the parts and
-    the I/O: medians over steps and ranks; hidden share = 1 - waited / in flight, summed."""
+    """Per step the slowest rank's step time; the parts and I/O; hidden share of the I/O."""
     med = h.median
-    steps = [
-        max(s)
-        for r in runs
-        for s in zip(*[[x["step_s"] for x in rk["per_step"]] for rk in r["ranks"]])
-    ]
+    per_rank = [[[x["step_s"] for x in rk["per_step"]] for rk in r["ranks"]] for r in runs]
+    steps = [max(s) for ranks in per_rank for s in zip(*ranks)]
     each = [s for r in runs for rk in r["ranks"] for s in rk["per_step"]]
     waited, busy = sum(s["io_waited_s"] for s in each), sum(s["io_busy_s"] for s in each)
     ranks = runs[0]["ranks"]
@@ -283,25 +254,20 @@ def summary(runs: list[dict]) -> dict:
     def ms(key: str) -> float:
         return 1000 * med(s[key] for s in each)
 
-    return {
-        "step_ms": 1000 * med(steps),
-        "range": f"{1000 * min(steps):.0f} - {1000 * max(steps):.0f}",
-        "fwd_bwd_ms": ms("fwd_bwd_s"),
-        "engine_step_ms": ms("engine_step_s"),
-        "adam_ms": ms("adam_s"),
-        "waited_ms": ms("io_waited_s"),
-        "rest_ms": 1000 * med(s["engine_step_s"] - s["adam_s"] - s["io_waited_s"] for s in each),
-        "busy_ms": ms("io_busy_s"),
-        "sum_ms": ms("io_sum_s"),
-        "hidden": 1 - waited / busy if busy > 0 else None,
-        "mb_per_step": med(s["io_bytes"] for s in each) / 1e6,
-        "mb_s": sum(s["io_bytes"] for s in each) / busy / 1e6 if busy > 0 else None,
-        "transfers": med(s["io_transfers"] for s in each),
-        "on_nvme": max(rk["memory"]["on_nvme"] for rk in ranks) / 2**30,
-        "on_device": max(rk["memory"]["on_device"] for rk in ranks) / 2**30,
-        "pieces": f"{ranks[0]['pieces']} ({max(rk['largest_piece'] for rk in ranks):,})",
-        "o_direct": ranks[0]["o_direct"],
-    }
+    out = {"step_ms": 1000 * med(steps)}
+    out["range"] = f"{1000 * min(steps):.0f} - {1000 * max(steps):.0f}"
+    out |= {"fwd_bwd_ms": ms("fwd_bwd_s"), "engine_step_ms": ms("engine_step_s")}
+    out |= {"adam_ms": ms("adam_s"), "waited_ms": ms("io_waited_s")}
+    out["rest_ms"] = 1000 * med(s["engine_step_s"] - s["adam_s"] - s["io_waited_s"] for s in each)
+    out |= {"busy_ms": ms("io_busy_s"), "sum_ms": ms("io_sum_s")}
+    out["hidden"] = 1 - waited / busy if busy > 0 else None
+    out["mb_per_step"] = med(s["io_bytes"] for s in each) / 1e6
+    out["mb_s"] = sum(s["io_bytes"] for s in each) / busy / 1e6 if busy > 0 else None
+    out["transfers"] = med(s["io_transfers"] for s in each)
+    for kind in ("on_nvme", "on_device"):
+        out[kind] = max(rk["memory"][kind] for rk in ranks) / 2**30
+    out["pieces"] = f"{ranks[0]['pieces']} ({max(rk['largest_piece'] for rk in ranks):,})"
+    return out | {"o_direct": ranks[0]["o_direct"]}
 
 
 def offload_tables(results: dict) -> dict:
@@ -323,24 +289,19 @@ def offload_tables(results: dict) -> dict:
         main.append([m + " *" * any(r.get("noisy") for r in rs), *cells])
         io = [s["busy_ms"], s["sum_ms"], s["transfers"], s["mb_per_step"], s["mb_s"]]
         io = [render.fmt(v) for v in io] + ["yes" if s["o_direct"] else "no"]
-        detail.append(
-            [m, s["pieces"]]
-            + [render.fmt(s[k]) for k in ("fwd_bwd_ms", "engine_step_ms", "adam_ms")]
-            + [render.fmt(s[k]) for k in ("waited_ms", "rest_ms")]
-            + (io if m in NVME_MODES else ["-"] * 6)
-            + [", ".join(render.fmt(r.get("other_load"), ".2f") for r in rs)]
-        )
+        keys = ("fwd_bwd_ms", "engine_step_ms", "adam_ms", "waited_ms", "rest_ms")
+        cells = [render.fmt(s[k]) for k in keys] + (io if m in NVME_MODES else ["-"] * 6)
+        loads = ", ".join(render.fmt(r.get("other_load"), ".2f") for r in rs)
+        detail.append([m, s["pieces"], *cells, loads])
     head = ["mode", "step ms (median)", "min - max", "ratio to none", "peak RSS per rank (MiB)"]
     head += ["on_device GiB", "on_nvme GiB", "I/O hidden behind compute", "losses vs none"]
     parts = ["mode", "pieces per rank (largest, elements)", "fwd+bwd ms", "`engine.step()` ms"]
     parts += ["Adam `step()` ms", "waited on I/O ms", "rest of `engine.step()` ms"]
     parts += ["I/O in flight ms", "sum of transfer times ms", "transfers", "MB moved per step"]
     parts += ["MB/s while in flight", "O_DIRECT", "other load (cores)"]
-    return {
-        "modes": render.table(head, main, "lrlrrrrrl"),
-        "parts": render.table(parts, detail, "llrrrrrrrrrrll"),
-        "run": render.run_line(results),
-    }
+    out = {"modes": render.table(head, main, "lrlrrrrrl")}
+    out["parts"] = render.table(parts, detail, "llrrrrrrrrrrll")
+    return out | {"run": render.run_line(results)}
 
 
 def headline_table(results: dict) -> dict:
@@ -362,10 +323,8 @@ def headline_table(results: dict) -> dict:
     head += " | seconds per step (each step) | peak RSS per rank | peak RSS, both ranks"
     head += " | in memory after the steps, both ranks | on NVMe, both ranks | losses (rank 0)"
     build = f" Model build and `initialize`: {ranks[0]['build_s']:.0f}s."
-    return {
-        "headline": render.table(head, [row], "rrrrlrrrrl"),
-        "headline-run": render.run_line(results) + build,
-    }
+    out = {"headline": render.table(head, [row], "rrrrlrrrrl")}
+    return out | {"headline-run": render.run_line(results) + build}
 
 
 def tables(results: dict) -> dict:

@@ -1,10 +1,6 @@
-"""1-bit Adam and 0/1 Adam vs Adam at world size 2 (shardspeed, DDP, DeepSpeed): time per step
-before and after the freeze, bytes on the wire, losses.
+"""1-bit Adam and 0/1 Adam vs Adam at world size 2 (shardspeed, DDP, DeepSpeed).
 
-    .venv/bin/python benchmarks/bench_onebit.py [--quick] [--write]
-
-The warm-up steps are 1..F+1 (F = --warmup - 1, the freeze step), the timed window the compressed
-steps after the first one.
+.venv/bin/python benchmarks/bench_onebit.py [--quick] [--write]
 """
 
 from __future__ import annotations
@@ -16,14 +12,9 @@ import harness as h
 import render
 
 # mode -> (library, optimizer type)
-MODES = {
-    "ours_adam": ("ours", "Adam"),
-    "ours_onebit": ("ours", "OneBitAdam"),
-    "ours_zeroone": ("ours", "ZeroOneAdam"),
-    "ddp": ("ddp", "Adam"),
-    "deepspeed_adam": ("deepspeed", "Adam"),
-    "deepspeed_onebit": ("deepspeed", "OneBitAdam"),
-}
+MODES = {"ours_adam": ("ours", "Adam"), "ours_onebit": ("ours", "OneBitAdam")}
+MODES |= {"ours_zeroone": ("ours", "ZeroOneAdam"), "ddp": ("ddp", "Adam")}
+MODES |= {"deepspeed_adam": ("deepspeed", "Adam"), "deepspeed_onebit": ("deepspeed", "OneBitAdam")}
 SCENARIO = h.Scenario(
     name="onebit",
     section="## 1-bit Adam and 0/1 Adam vs Adam (world size 2)",
@@ -46,7 +37,6 @@ def config(optimizer: str, freeze: int) -> dict:
 
 
 def worker(mode: str, args) -> dict:
-    import torch
     import torch.distributed as dist
 
     lib, optimizer = MODES[mode]
@@ -56,14 +46,8 @@ def worker(mode: str, args) -> dict:
     batches = h.rank_slice(h.progression_batches(n, 16), rank, 8)
     model = h.tied_gpt(lambda i: h.gpt_block())
     if lib == "ddp":
-        module = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.Adam(model.parameters(), lr=h.LR)
-        forward, backward, summary = module, lambda loss: loss.backward(), dict
-
-        def update():
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        forward, backward, update, _opt = h.trainer("ddp", model, adam="Adam", clip=False)
+        summary = dict
     else:
         cfg = config(optimizer, freeze)
         if lib == "ours":
@@ -90,13 +74,10 @@ def worker(mode: str, args) -> dict:
         rec["fb_ms"].append(1e3 * (t1 - t0))
         rec["opt_ms"].append(1e3 * (t2 - t1))
         rec["summary"].append(summary())
-        rec["counted"].append(
-            {
-                k: [c - before["calls"].get(k, 0), comm.bytes[k] - before["bytes"].get(k, 0)]
-                for k, c in comm.calls.items()
-                if c != before["calls"].get(k, 0)
-            }
-        )
+        calls, nbytes = before["calls"], before["bytes"]
+        changed = [k for k, c in comm.calls.items() if c != calls.get(k, 0)]
+        counts = {k: comm.calls[k] - calls.get(k, 0) for k in changed}
+        rec["counted"].append({k: [counts[k], comm.bytes[k] - nbytes.get(k, 0)] for k in changed})
         rec["losses"].append(loss.detach())
         return loss
 
@@ -110,8 +91,7 @@ def worker(mode: str, args) -> dict:
 
 
 def windows(freeze: int, n: int) -> dict[str, slice]:
-    """Warm-up: steps 2..F (step 1 allocates optimizer state); compressed: F+2..T (step F+1
-    allocates the error buffers)."""
+    """Warm-up: steps 2..F; compressed: F+2..T (steps 1 and F+1 allocate state)."""
     return {"warm-up": slice(1, freeze), "compressed": slice(freeze + 1, n)}
 
 
@@ -120,12 +100,10 @@ def step_bytes(r: dict) -> tuple[list[dict], str]:
     if r["lib"] == "ours":
         return r["summary"], "comms logger (`engine.comm_summary`)"
     if r["lib"] == "deepspeed":
-        return [{op: [c, b, None] for op, (c, b) in s.items()} for s in r["counted"]], (
-            "torch.distributed calls counted"
-        )
-    return [
-        {"all_reduce": [None, 4 * r["params"], None]} for _ in r["steps_ms"]
-    ], "computed (4 B x P)"
+        steps = [{op: [c, b, None] for op, (c, b) in s.items()} for s in r["counted"]]
+        return steps, "torch.distributed calls counted"
+    computed = [{"all_reduce": [None, 4 * r["params"], None]} for _ in r["steps_ms"]]
+    return computed, "computed (4 B x P)"
 
 
 def window_bytes(steps: list[dict], w: slice) -> dict:
@@ -138,29 +116,18 @@ def window_bytes(steps: list[dict], w: slice) -> dict:
     for s in sel:
         for op, (c, _b, _ms) in s.items():
             calls[op] = calls.get(op, 0) + (c or 0) / len(sel)
-    ms = [
-        sum(v[2] for v in s.values())
-        for s in sel
-        if s and all(v[2] is not None for v in s.values())
-    ]
-    return {
-        "payload": statistics.fmean(sum(b for _c, b, _m in s.values()) for s in sel),
-        "wire": statistics.fmean(wire),
-        "wire_min": min(wire),
-        "wire_max": max(wire),
-        "calls": {k: v for k, v in calls.items() if v},
-        "comm_ms": statistics.median(ms) if ms else None,
-    }
+    timed = [s for s in sel if s and all(v[2] is not None for v in s.values())]
+    ms = [sum(v[2] for v in s.values()) for s in timed]
+    out = {"payload": statistics.fmean(sum(b for _c, b, _m in s.values()) for s in sel)}
+    out |= {"wire": statistics.fmean(wire), "wire_min": min(wire), "wire_max": max(wire)}
+    out["calls"] = {k: v for k, v in calls.items() if v}
+    return out | {"comm_ms": statistics.median(ms) if ms else None}
 
 
 def size(b: float) -> str:
-    return (
-        f"{b / 2**20:.2f} MiB"
-        if b >= 2**20
-        else f"{b / 1024:.1f} KiB"
-        if b >= 1024
-        else f"{b:.0f} B"
-    )
+    if b >= 2**20:
+        return f"{b / 2**20:.2f} MiB"
+    return f"{b / 1024:.1f} KiB" if b >= 1024 else f"{b:.0f} B"
 
 
 def time_table(results: dict) -> str:
@@ -177,16 +144,13 @@ def time_table(results: dict) -> str:
             per_round = ", ".join(f"{statistics.median(r['steps_ms'][w]):.0f}" for r in rs)
             cells = [f"{name} (steps {w.start + 1}-{w.stop})", median_ms("steps_ms"), per_round]
             cells += [f"{mean_ms:.0f}", f"{tps[mode, name]:.0f}", name]
-            rows.append(
-                [mode, *cells, median_ms("fb_ms"), median_ms("opt_ms"), render.fmt(comm, ".1f")]
-            )
+            cells += [median_ms("fb_ms"), median_ms("opt_ms"), render.fmt(comm, ".1f")]
+            rows.append([mode, *cells])
     for row in rows:  # ratios in the same window
         name, mode = row.pop(6), row[0]
         row[6:6] = [render.ratio(tps[mode, name], tps.get((b, name))) for b in ("ddp", "ours_adam")]
-    head = (
-        "mode | window | ms/step (median) | per round | ms/step (mean) | tokens/s (from the mean)"
-    )
-    head += " | / DDP | / shardspeed Adam | forward + backward (ms) | optimizer step (ms)"
+    head = "mode | window | ms/step (median) | per round | ms/step (mean)"
+    head += " | tokens/s (from the mean) | / DDP | / shardspeed Adam | forward + backward (ms) | optimizer step (ms)"
     return render.table(head + " | inside collectives (ms, comms logger)", rows, "llrlrrrrrrr")
 
 
@@ -212,29 +176,20 @@ def bytes_table(results: dict) -> str:
 
 def loss_table(results: dict) -> str:
     ref = render.runs(results, "ours_adam")
-    rows = [
-        [
-            mode,
-            *(f"{rs[0]['losses'][i]:.4f}" for i in (0, rs[0]["freeze"] - 1, rs[0]["freeze"], -1)),
-            render.ratio(rs[0]["losses"][-1], ref[0]["losses"][-1] if ref else None),
-        ]
-        for mode, rs in results["runs"].items()
-        if rs
-    ]
-    return render.table(
-        ("mode | step 1 | step F | step F+1 | final (step T) | final / shardspeed Adam's final"),
-        rows,
-        "lrrrrr",
-    )
+    rows = []
+    for mode, rs in results["runs"].items():
+        if rs:
+            losses, f = rs[0]["losses"], rs[0]["freeze"]
+            cells = [f"{losses[i]:.4f}" for i in (0, f - 1, f, -1)]
+            final = render.ratio(losses[-1], ref[0]["losses"][-1] if ref else None)
+            rows.append([mode, *cells, final])
+    head = "mode | step 1 | step F | step F+1 | final (step T) | final / shardspeed Adam's final"
+    return render.table(head, rows, "lrrrrr")
 
 
 def tables(results: dict) -> dict:
-    return {
-        "time": time_table(results),
-        "bytes": bytes_table(results),
-        "losses": loss_table(results),
-        "run": render.run_line(results),
-    }
+    out = {"time": time_table(results), "bytes": bytes_table(results)}
+    return out | {"losses": loss_table(results), "run": render.run_line(results)}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,6 @@
-"""Pipeline parallelism on 2 stages (shardspeed's 1f1b, gpipe and interleaved_1f1b schedules,
-DeepSpeed's PipelineEngine) at m = 2, 4, 8 micro-batches vs data parallelism on 2 ranks
-(shardspeed, DDP, FSDP2, DeepSpeed): tokens/s, memory, each stage's bubble.
+"""Pipeline parallelism on 2 stages vs data parallelism on 2 ranks: tokens/s, memory, bubble.
 
-    .venv/bin/python benchmarks/bench_pipe.py [--quick] [--write]
+.venv/bin/python benchmarks/bench_pipe.py [--quick] [--write]
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ def parse_mode(mode: str) -> tuple[str, str | None, int]:
 
 
 class PassTimer:
-    """Seconds in forward and backward passes this step, and the window from the step's start
-    to the end of its schedule (shardspeed: the optimizer step; DeepSpeed: ReduceTiedGrads)."""
+    """Seconds in forward and backward this step, and the schedule's window."""
 
     def __init__(self) -> None:
         self.busy = self.start = self.reduce = 0.0
@@ -125,7 +122,7 @@ def worker(mode: str, args) -> dict:
         batches = h.rank_slice(batches, rank, GLOBAL_BATCH // world)
         model = h.tied_gpt(lambda i: h.gpt_block())
         forward, backward, update, engine = h.trainer(
-            model=model, lib=mode.split("_")[0], cfg=h.config(GLOBAL_BATCH // world)
+            mode.split("_")[0], model, h.config(GLOBAL_BATCH // world)
         )
         step_once = h.step_fn(forward, backward, update)
     else:
@@ -154,9 +151,8 @@ def worker(mode: str, args) -> dict:
         return loss
 
     result = h.timed(step, batches, args.warmup, args.steps, GLOBAL_BATCH * h.SEQ)
-    result["page_faults_per_step"] = (
-        resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults[0]
-    ) / args.steps
+    faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults[0]
+    result["page_faults_per_step"] = faulted / args.steps
     result |= h.loss_curve(steps["loss"], kind == "dp")
     params = (engine.module if kind != "dp" else model).parameters()
     result |= extra | {"kind": kind, "m": m, "params_local": h.local_numel(params)}
@@ -173,9 +169,8 @@ def worker(mode: str, args) -> dict:
 
 def schedule_name(mode: str) -> str:
     kind, schedule, _ = parse_mode(mode)
-    return {"dp": "data parallel", "deepspeed": "DeepSpeed 1F1B"}.get(kind) or SCHEDULES[schedule][
-        0
-    ]
+    names = {"dp": "data parallel", "deepspeed": "DeepSpeed 1F1B"}
+    return names.get(kind) or SCHEDULES[schedule][0]
 
 
 def throughput_table(results: dict) -> str:
@@ -211,24 +206,16 @@ def memory_table(results: dict) -> str:
         return peak + f" (schedule: {' / '.join(str(r['schedule_live']) for r in first)})"
 
     spec = render.model_columns(results)
-    spec += render.rss_columns(
-        results, growth=False, peak_header="peak RSS per rank (MiB, rank 0 / 1)"
-    )
+    spec += render.rss_columns(results, False, "peak RSS per rank (MiB, rank 0 / 1)")
     spec.append(("micro-batches alive at once (stage 0 / 1)", "l", live))
     return render.columns(spec, render.measured(results))
 
 
 def window_idle(run: dict) -> list[float]:
-    """Each stage's idle share of the pipeline's window (the longest stage window of the step),
-    mean over the timed steps."""
+    """Each stage's idle share of the pipeline's window, mean over the timed steps."""
     ranks = run["ranks"]
-    n = len(ranks[0]["busy_steps"])
-    return [
-        statistics.fmean(
-            1 - r["busy_steps"][i] / max(x["window_steps"][i] for x in ranks) for i in range(n)
-        )
-        for r in ranks
-    ]
+    windows = [max(steps) for steps in zip(*(x["window_steps"] for x in ranks))]
+    return [statistics.fmean(1 - b / w for b, w in zip(r["busy_steps"], windows)) for r in ranks]
 
 
 def bubble_table(results: dict) -> str:
@@ -244,38 +231,21 @@ def bubble_table(results: dict) -> str:
         window = [statistics.median(x[r] for x in per_run) for r in range(2)]
         busy = render.per_rank(results, mode, lambda r: statistics.fmean(r["busy_steps"]))
         t = max(busy) + min(busy) / (v * m)  # the busier stage's work plus one chunk of the other
-        own_text = render.slash(own, ".3f") + (
-            " (same quantity, timed from outside)" if kind == "deepspeed" else ""
-        )
-        rows.append(
-            [
-                schedule_name(mode),
-                m,
-                v,
-                f"{1 / (v * m + 1):.3f}",
-                own_text,
-                render.slash(window, ".3f"),
-                render.slash([1000 * b for b in busy], ".0f"),
-                render.slash([1 - b / t for b in busy], ".3f"),
-            ]
-        )
-    return render.table(
-        (
-            "schedule | m | v | theory (p-1)/(v*m+p-1) | engine.bubble, stage 0 / 1"
-            " | idle share of the pipeline's window, stage 0 / 1"
-            " | fwd+bwd busy per step, stage 0 / 1 (ms)"
-            " | estimate from that stage balance, stage 0 / 1"
-        ),
-        rows,
-        "lrrrllll",
-    )
+        own_text = render.slash(own, ".3f")
+        own_text += " (same quantity, timed from outside)" * (kind == "deepspeed")
+        cells = [schedule_name(mode), m, v, f"{1 / (v * m + 1):.3f}", own_text]
+        cells += [render.slash(window, ".3f"), render.slash([1000 * b for b in busy], ".0f")]
+        rows.append([*cells, render.slash([1 - b / t for b in busy], ".3f")])
+    head = "schedule | m | v | theory (p-1)/(v*m+p-1) | engine.bubble, stage 0 / 1"
+    head += " | idle share of the pipeline's window, stage 0 / 1"
+    head += " | fwd+bwd busy per step, stage 0 / 1 (ms)"
+    return render.table(head + " | estimate from that stage balance, stage 0 / 1", rows, "lrrrllll")
 
 
 def tables(results: dict) -> dict:
     own = {"memory": memory_table(results), "bubble": bubble_table(results)}
-    return render.training_tables(
-        results, SCENARIO.comparisons, throughput_table(results), own, 1e-4
-    )
+    throughput = throughput_table(results)
+    return render.training_tables(results, SCENARIO.comparisons, throughput, own, 1e-4)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import math
 
 import harness as h
 import render
-from bench_tp import SavedBytes
 
 DIM, LAYERS, HEADS, KV_HEADS, FFN = 256, 4, 8, 4, 688
 HEAD_DIM = DIM // HEADS
@@ -181,7 +180,7 @@ def saved_peak(model, step, batch, labelled: int) -> int:
     import torch
     import torch.distributed as dist
 
-    meter = SavedBytes(model.parameters())
+    meter = h.SavedBytes(model.parameters())
     with meter.hooks():
         step(*batch, labelled)
     peak = torch.tensor(meter.peak)

@@ -1,8 +1,6 @@
-"""Tensor parallelism on 2 ranks (shardspeed AutoTP, DeepSpeed AutoTP) vs data parallelism (shardspeed,
-DDP, FSDP2, DeepSpeed) and a 2-stage pipeline, with and without activation checkpointing: tokens/s,
-memory, activations kept for backward, collectives per step.
+"""Tensor parallelism on 2 ranks vs data parallelism and a 2-stage pipeline, with checkpointing.
 
-    .venv/bin/python benchmarks/bench_tp.py [--quick] [--write]
+.venv/bin/python benchmarks/bench_tp.py [--quick] [--write]
 """
 
 from __future__ import annotations
@@ -14,20 +12,14 @@ import render
 
 GLOBAL_BATCH, PIPE_M = 16, 4
 # mode -> (library, kind, checkpoint function's library or None, partition_activations)
-MODES = {
-    "ours_tp": ("ours", "tp", None, False),
-    "ours_tp_ckpt": ("ours", "tp", "ours", False),
-    "ours_tp_ckpt_part": ("ours", "tp", "ours", True),
-    "deepspeed_tp": ("deepspeed", "tp", None, False),
-    "ours_dp": ("ours", "dp", None, False),
-    "ours_dp_ckpt": ("ours", "dp", "ours", False),
-    "ddp": ("ddp", "dp", None, False),
-    "ddp_ckpt": ("ddp", "dp", "torch", False),
-    "fsdp2": ("fsdp2", "dp", None, False),
-    "deepspeed_dp": ("deepspeed", "dp", None, False),
-    "deepspeed_dp_ckpt": ("deepspeed", "dp", "deepspeed", False),
-    "ours_pp": ("ours", "pp", None, False),
-}
+MODES = {"ours_tp": ("ours", "tp", None, False), "ours_tp_ckpt": ("ours", "tp", "ours", False)}
+MODES |= {"ours_tp_ckpt_part": ("ours", "tp", "ours", True)}
+MODES |= {"deepspeed_tp": ("deepspeed", "tp", None, False), "ours_dp": ("ours", "dp", None, False)}
+MODES |= {"ours_dp_ckpt": ("ours", "dp", "ours", False), "ddp": ("ddp", "dp", None, False)}
+MODES |= {"ddp_ckpt": ("ddp", "dp", "torch", False), "fsdp2": ("fsdp2", "dp", None, False)}
+MODES |= {"deepspeed_dp": ("deepspeed", "dp", None, False)}
+MODES |= {"deepspeed_dp_ckpt": ("deepspeed", "dp", "deepspeed", False)}
+MODES |= {"ours_pp": ("ours", "pp", None, False)}
 SCENARIO = h.Scenario(
     name="tp",
     section="## Tensor parallelism (2 ranks) vs data and pipeline parallelism, and activation checkpointing",
@@ -57,24 +49,11 @@ LAYER_SPECS.append({"patterns": ROW_LAYERS, "partition_type": "row"})
 CKPT_PAIRS = [("ours_dp", "ours_dp_ckpt"), ("ddp", "ddp_ckpt")]
 CKPT_PAIRS += [("deepspeed_dp", "deepspeed_dp_ckpt"), ("ours_tp", "ours_tp_ckpt")]
 CKPT_PAIRS += [("ours_tp_ckpt", "ours_tp_ckpt_part"), ("ours_tp", "ours_tp_ckpt_part")]
-REGION = ["other"]  # where the forward is, for the saved-bytes meter: "blocks" or "other"
 METER: list = [None]
 
 
-@contextlib.contextmanager
-def region(name: str):
-    outer, REGION[0] = REGION[0], name
-    try:
-        yield
-    finally:
-        REGION[0] = outer
-
-
 def tp_block_class():
-    """examples/gpt.py's block (same weights under the same seed) with its fused qkv split into
-    q_proj, k_proj, v_proj and its output projection named o_proj, so that automatic tensor
-    parallelism can split them; heads are counted from the width, so a rank runs its own.
-    `checkpoint_fn` (set per mode) runs the block's body under a checkpoint function."""
+    """examples/gpt.py's block with q/k/v/o projections that automatic TP can split."""
     import torch.nn.functional as F
     from torch import nn
 
@@ -82,10 +61,8 @@ def tp_block_class():
 
     def copy(weight, bias) -> nn.Linear:
         layer = nn.Linear(weight.shape[1], weight.shape[0], device="meta")
-        layer.weight, layer.bias = (
-            nn.Parameter(weight.detach().clone()),
-            nn.Parameter(bias.detach().clone()),
-        )
+        layer.weight = nn.Parameter(weight.detach().clone())
+        layer.bias = nn.Parameter(bias.detach().clone())
         return layer
 
     class Attention(nn.Module):
@@ -101,9 +78,8 @@ def tp_block_class():
             def heads(y):
                 return y.view(b, t, -1, h.D_MODEL // h.N_HEADS).transpose(1, 2)
 
-            a = F.scaled_dot_product_attention(
-                heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)), is_causal=True
-            )
+            q, k, v = (heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
 
     class TPBlock(Block):
@@ -117,69 +93,11 @@ def tp_block_class():
             return super().forward(x)
 
         def forward(self, x):
-            with region("blocks"):
+            with h.region("blocks"):
                 fn = TPBlock.checkpoint_fn
                 return self.body(x) if fn is None else fn(self.body, x)
 
     return TPBlock
-
-
-class SavedBytes:
-    """Bytes of the tensors autograd keeps for backward (saved-tensor hooks), each storage once,
-    parameters left out: the most alive at once, split by region. `note(t)` counts a tensor kept
-    another way (DeepSpeed's checkpoint keeps its input on its autograd context)."""
-
-    def __init__(self, params) -> None:
-        self.exclude = {p.untyped_storage().data_ptr() for p in params}
-        self.live: dict[int, list] = {}  # storage pointer: [references, bytes, region]
-        self.now, self.peak, self.noted = {"blocks": 0, "other": 0}, 0, 0
-        self.peak_by_region = dict(self.now)
-
-    def add(self, t) -> int | None:
-        key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-        if key in self.exclude or nbytes == 0:
-            return None
-        if key in self.live:
-            self.live[key][0] += 1
-            return key
-        self.live[key] = [1, nbytes, REGION[0]]
-        self.now[REGION[0]] += nbytes
-        if sum(self.now.values()) > self.peak:
-            self.peak, self.peak_by_region = sum(self.now.values()), dict(self.now)
-        return key
-
-    def release(self, key: int) -> None:
-        entry = self.live.get(key)
-        if entry is not None:
-            entry[0] -= 1
-            if entry[0] == 0:
-                del self.live[key]
-                self.now[entry[2]] -= entry[1]
-
-    def note(self, t) -> None:
-        if self.add(t) is not None:
-            self.noted += t.untyped_storage().nbytes()
-
-    def hooks(self):
-        import torch
-
-        meter = self
-
-        class Held:  # released when autograd drops it
-            def __init__(self, key, tensor) -> None:
-                self.key, self.tensor = key, tensor
-
-            def __del__(self) -> None:
-                meter.release(self.key)
-
-        def pack(t):
-            key = self.add(t)
-            return t if key is None else Held(key, t)
-
-        def unpack(held):
-            return held.tensor if isinstance(held, Held) else held
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def meter_hooks():
@@ -199,7 +117,7 @@ def checkpoint_fn(lib: str | None):
 
         def deepspeed_checkpoint(fn, x):
             if METER[0] is not None:
-                METER[0].note(x)
+                METER[0].add(x)  # DeepSpeed keeps the input on its autograd context
             return h.library("deepspeed").checkpointing.checkpoint(fn, x)
 
         return deepspeed_checkpoint
@@ -217,11 +135,8 @@ def build(mode: str, rank: int, world: int, micro_batch: int):
         from shardspeed import pipe
 
         model = h.pipeline_module(pipe, world, block)
-        cfg = h.config(
-            GLOBAL_BATCH // PIPE_M,
-            gradient_accumulation_steps=PIPE_M,
-            pipeline={"schedule": "1f1b"},
-        )
+        pipeline = dict(gradient_accumulation_steps=PIPE_M, pipeline={"schedule": "1f1b"})
+        cfg = h.config(GLOBAL_BATCH // PIPE_M, **pipeline)
         engine, *_ = shardspeed.initialize(model=model, config=cfg)
 
         def step(x, y):
@@ -233,10 +148,8 @@ def build(mode: str, rank: int, world: int, micro_batch: int):
     if kind == "dp":
         batches, cfg = h.rank_slice(batches, rank, micro_batch), h.config(micro_batch)
     else:
-        tp = {
-            "autotp_size": world,
-            "partition_config": {"use_default_specs": False, "layer_specs": LAYER_SPECS},
-        }
+        partition_config = {"use_default_specs": False, "layer_specs": LAYER_SPECS}
+        tp = {"autotp_size": world, "partition_config": partition_config}
         cfg = h.config(GLOBAL_BATCH, tensor_parallel=tp)
         if partition:
             cfg["activation_checkpointing"] = {"partition_activations": True}
@@ -274,7 +187,7 @@ def worker(mode: str, args) -> dict:
     result |= {"rss_growth_mib": h.peak_rss_mib() - rss_init, "params_local": h.local_numel(params)}
     comm.active = True  # one more step: saved activations and collectives
     if MODES[mode][0] != "fsdp2":  # FSDP2's gathered weights are not module parameters
-        METER[0] = meter = SavedBytes(params)
+        METER[0] = meter = h.SavedBytes(params)
         step(*batches[n])
         METER[0] = None
         result |= {"saved_peak": meter.peak, "saved_blocks": meter.peak_by_region["blocks"]}
@@ -325,10 +238,8 @@ def ckpt_table(results: dict) -> str:
 
     spec = [("without -> with", "l", " -> ".join)]
     spec += [("saved activations in the blocks (MiB, rank 0)", "l", pair("saved_blocks"))]
-    spec += [
-        ("ratio", "r", ratio(blocks)),
-        ("all saved activations (MiB)", "l", pair("saved_peak")),
-    ]
+    spec += [("ratio", "r", ratio(blocks))]
+    spec += [("all saved activations (MiB)", "l", pair("saved_peak"))]
     spec += [("peak RSS (MiB)", "l", pair("peak_rss_mib", ".0f", 1))]
     spec += [("RSS growth in training (MiB)", "l", pair("rss_growth_mib", ".0f", 1))]
     spec += [("ms/step", "l", lambda modes: " -> ".join(render.fmt(step_ms(m)) for m in modes))]
@@ -352,9 +263,8 @@ def comm_table(results: dict) -> str:
 def tables(results: dict) -> dict:
     own = {"memory": memory_table(results), "checkpointing": ckpt_table(results)}
     own["comm"] = comm_table(results)
-    return render.training_tables(
-        results, SCENARIO.comparisons, throughput_table(results), own, 1e-4
-    )
+    throughput = throughput_table(results)
+    return render.training_tables(results, SCENARIO.comparisons, throughput, own, 1e-4)
 
 
 if __name__ == "__main__":

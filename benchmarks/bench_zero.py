@@ -1,11 +1,11 @@
-"""ZeRO stages 1, 2 (fp32 and bf16) and 3: shardspeed vs DeepSpeed and torch FSDP2, throughput and
-the model-state bytes each framework holds per rank against the ZeRO formula.
+"""ZeRO stages 1, 2 (fp32, bf16) and 3: shardspeed vs DeepSpeed and FSDP2, speed and memory.
 
-    .venv/bin/python benchmarks/bench_zero.py [--quick] [--write]           # stages 1 and 2
-    .venv/bin/python benchmarks/bench_zero.py --stage3 [--quick] [--write]  # stage 3
+.venv/bin/python benchmarks/bench_zero.py [--stage3] [--quick] [--write]
 """
 
 from __future__ import annotations
+
+import functools
 
 import harness as h
 import render
@@ -52,8 +52,7 @@ def precision(mode: str) -> str:
 
 
 def fsdp_options(mode: str) -> tuple[dict, str]:
-    """fully_shard's options: stage 2 modes keep parameters unsharded after forward (ZeRO-2);
-    the _s3 modes take the default (None: True on the blocks, False on the root)."""
+    """fully_shard's options: stage 2 modes keep parameters unsharded after forward."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -119,24 +118,15 @@ def worker(mode: str, args) -> dict:
         fused = mode.endswith("_fused")
         forward, backward, update, opt = h.trainer("ddp", model, fused=fused)
         settings = f"DistributedDataParallel, AdamW(fused={fused})"
-
-        def census():
-            # Parameters, their .grad and AdamW's moments; DDP's own reduction buckets are not
-            # model states and are left out.
-            c = h.Census().add("parameters", model.parameters())
-            c.add("gradients", [p.grad for p in model.parameters()])
-            return c.add("optimizer_states", h.optimizer_state(opt)).result("other")
-
+        # DDP's own reduction buckets are not model states and are left out.
+        census = functools.partial(h.census_torch, list(model.parameters()), opt, "other")
     elif mode.startswith("fsdp2"):
         opts, reshard = fsdp_options(mode)
         fused = mode.endswith("_fused")
         forward, backward, update, opt = h.trainer("fsdp2", model, fsdp=opts, fused=fused)
         policy = f", {opts['mp_policy']!r}" if "mp_policy" in opts else ""
         settings = f"fully_shard(reshard_after_forward={reshard}{policy}), AdamW(fused={fused})"
-
-        def census():
-            return h.census_fsdp2(model, opt)
-
+        census = functools.partial(h.census_fsdp2, model, opt)
     else:
         lib = mode.split("_")[0]
         cfg = h.config(args.micro_batch, stage(mode))
@@ -145,10 +135,7 @@ def worker(mode: str, args) -> dict:
         forward, backward, update, engine = h.trainer(lib, model, cfg)
         ours = lib == "ours"
         settings = settings_ours(engine) if ours else settings_deepspeed(engine, stage(mode))
-
-        def census():
-            return h.census_ours(engine) if ours else h.census_deepspeed(engine)
-
+        census = functools.partial(h.census_ours if ours else h.census_deepspeed, engine)
     step = h.step_fn(forward, backward, update)
     result = h.timed(step, batches, args.warmup, args.steps, world * args.micro_batch * h.SEQ)
     x, y = batches[-1]  # the census step: model states counted after each phase
@@ -159,12 +146,8 @@ def worker(mode: str, args) -> dict:
     update()
     points["after_step"] = census()
     n_params = sum(p.numel() for p in h.build_lm().parameters())
-    return result | {
-        "census": points,
-        "settings": settings,
-        "params": n_params,
-        "peak_rss_mib": h.peak_rss_mib(),
-    }
+    result |= {"census": points, "settings": settings, "params": n_params}
+    return result | {"peak_rss_mib": h.peak_rss_mib()}
 
 
 def states(point: dict) -> int:
@@ -172,8 +155,7 @@ def states(point: dict) -> int:
 
 
 def memory_table(results: dict, modes) -> str:
-    """Rank 0's model states by kind at the census point where their sum is largest, against
-    the ZeRO formula; the sum at each point; other framework tensors; peak RSS per rank."""
+    """Rank 0's peak model states by kind against the ZeRO formula, and peak RSS."""
     from shardspeed.zero import model_state_bytes
 
     def mib(b):
@@ -187,24 +169,18 @@ def memory_table(results: dict, modes) -> str:
         per_rank = [r["census"] for r in rs[-1]["ranks"]]
         at = max(POINTS, key=lambda p: states(per_rank[0][p]))
         peak, total = per_rank[0][at], states(per_rank[0][at])
-        formula = model_state_bytes(rs[0]["params"], 2, stage(mode), precision=precision(mode))[
-            "total"
-        ]
+        formula = model_state_bytes(rs[0]["params"], 2, stage(mode), precision=precision(mode))
+        formula = formula["total"]
         other = max(pr[p]["other"] for pr in per_rank for p in POINTS)
         rss = render.ranks_text(results, mode, lambda r: r["peak_rss_mib"], ".0f", max)
         cells = [mib(formula), *(mib(peak[k]) for k in h.STATE_KINDS)]
         cells += [f"{mib(total)} ({at.replace('_', ' ')})", f"{total / formula:.3f}"]
         cells.append(" / ".join(mib(states(per_rank[0][p])) for p in POINTS))
         rows.append([mode, *cells, mib(other), rss])
-    return render.table(
-        (
-            "mode | ZeRO formula | parameters | gradients | fp32 master copy"
-            " | optimizer states | model states, max (at) | / formula"
-            " | after fwd / bwd / step | other framework tensors | peak RSS rank 0 / rank 1"
-        ),
-        rows,
-        "lrrrrrrrlrl",
-    )
+    head = "mode | ZeRO formula | parameters | gradients | fp32 master copy | optimizer states"
+    head += " | model states, max (at) | / formula | after fwd / bwd / step"
+    head += " | other framework tensors | peak RSS rank 0 / rank 1"
+    return render.table(head, rows, "lrrrrrrrlrl")
 
 
 def settings_table(results: dict, modes) -> str:
@@ -213,14 +189,10 @@ def settings_table(results: dict, modes) -> str:
         rs = render.runs(results, mode)
         if rs:
             gathered = rs[-1]["census"]["after_step"].get("gathered_peak")
-            rows.append(
-                [mode, rs[-1]["settings"], render.fmt(gathered and gathered / 2**20, ".1f")]
-            )
-    return render.table(
-        ["mode", "as run (read back from the framework)", "most gathered bytes at once (MiB)"],
-        rows,
-        "llr",
-    )
+            gathered_mib = render.fmt(gathered and gathered / 2**20, ".1f")
+            rows.append([mode, rs[-1]["settings"], gathered_mib])
+    head = "mode | as run (read back from the framework) | most gathered bytes at once (MiB)"
+    return render.table(head, rows, "llr")
 
 
 def tables(results: dict) -> dict:

@@ -1,15 +1,6 @@
-"""DeepSpeed's own unit tests under the deepspeed alias, against DeepSpeed itself, in one run.
+"""DeepSpeed's own unit tests (a sample of `tests/unit`) under DeepSpeed and under the alias.
 
-DeepSpeed's `tests/unit` (from a checkout of its repository; CI has none) is collected under
-DeepSpeed, a deterministic sample of the test ids is taken (md5 of the id, modulo `--every`), and
-the sample runs twice: under DeepSpeed (`--ds-python`, a venv with `deepspeed==0.19.8`) and under
-shardspeed's alias (this script's python, with SHARDSPEED_AS_DEEPSPEED=1). The figure is the
-share of the tests that pass under DeepSpeed that also pass under the alias; its tables (the
-counts, per file, and each test that passes under DeepSpeed only) go between their markers in
-BENCHMARKS.md.
-
-    .venv/bin/python benchmarks/deepspeed_unit_tests.py --tests /path/to/DeepSpeed/tests \
-        --ds-python /path/to/dsvenv/bin/python [--every N] [--quick] [--write]
+.venv/bin/python benchmarks/deepspeed_unit_tests.py --tests DIR --ds-python PY [--write]
 """
 
 from __future__ import annotations
@@ -78,14 +69,10 @@ def _pytest(
     python: str, tests: Path, extra_env: dict[str, str], args: list[str], timeout: float = 3600
 ) -> str:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", **extra_env}
+    cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", *args]
     try:
         done = subprocess.run(
-            [python, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", *args],
-            cwd=tests.parent,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
+            cmd, cwd=tests.parent, env=env, capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired as expired:
         return expired.stdout.decode() if isinstance(expired.stdout, bytes) else ""
@@ -162,12 +149,9 @@ def tables(results: dict) -> dict:
     lost = [[f"`{i.removeprefix('tests/unit/')}`", ours[i]] for i in passing if i not in kept]
     file_head = ["file", "pass under DeepSpeed", "of those, pass under the alias"]
     lost_head = ["passing under DeepSpeed, not under the alias", "under the alias"]
-    return {
-        "counts": render.table(["measure", "tests"], counts, "lr"),
-        "files": render.table(file_head, files, "lrr"),
-        "lost": render.table(lost_head, lost),
-        "run": render.run_line(results),
-    }
+    out = {"counts": render.table(["measure", "tests"], counts, "lr")}
+    out |= {"files": render.table(file_head, files, "lrr"), "lost": render.table(lost_head, lost)}
+    return out | {"run": render.run_line(results)}
 
 
 if __name__ == "__main__":

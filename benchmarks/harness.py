@@ -1,12 +1,5 @@
-"""What every benchmark shares: the models and batches, the launch of a measured run, the timed
-loop, memory and communication accounting, and the command line that runs a scenario and writes
-its results as JSON (render.py turns that JSON into the tables of BENCHMARKS.md).
-
-A benchmark script defines a `Scenario` (modes, world sizes, steps, comparisons) and a
-`worker(mode, args)` that runs on every rank of one `torch.distributed.run` and returns that rank's
-result dict. `main(scenario, worker, tables)` is both sides: started with `--worker MODE` it is a
-rank; otherwise it runs every mode for several rounds (interleaved, order rotated), reruns a run
-that other processes disturbed, saves the JSON and prints the tables.
+"""What every benchmark shares: models, batches, launching measured runs, the timed loop,
+memory and communication accounting, and the command line (see benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -45,14 +38,8 @@ DEEPSPEED_MISSING = "deepspeed is not installed in this environment"
 LM_100M = dict(n_embd=768, n_layer=13, n_head=12)
 
 
-# --------------------------------------------------------------------------------------------
-# Models and batches
-# --------------------------------------------------------------------------------------------
-
-
 def lm_config(**overrides):
-    """The benchmarks' GPT (examples/gpt.py): 4096 tokens, 128 positions, PyTorch's default
-    initialisation; 4 blocks of width 256 unless overridden."""
+    """The benchmarks' GPT (examples/gpt.py): 4 blocks of width 256 unless overridden."""
     from gpt import GPTConfig
 
     base = dict(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=N_HEADS, n_embd=D_MODEL)
@@ -82,8 +69,7 @@ def random_batches(rank: int, n: int, micro_batch: int, seq: int = SEQ) -> list:
 
 
 def progression_batches(n: int, size: int, used_vocab: int = 256, seq: int = SEQ) -> list:
-    """Step i's global batch of `seq` tokens: arithmetic progressions mod `used_vocab` (random
-    start and stride 1..16), so the loss visibly falls within a few steps; the same in every mode."""
+    """Step i's global batch of `seq` tokens: arithmetic progressions, so the loss falls."""
     import torch
 
     out = []
@@ -108,8 +94,7 @@ def rank_slice(batches: list, rank: int, micro_batch: int) -> list:
 
 
 def _pipe_parts():
-    """The tied GPT of the pipeline-family benchmarks (pipe, tp, moe, onebit): embeddings,
-    examples/gpt.py's blocks, final norm, head tied to the token embedding."""
+    """The tied GPT's parts: embeddings, tied head and loss of the pipeline family."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -137,9 +122,7 @@ def _pipe_parts():
 
 
 def pipeline_module(pipe, world: int, block: type, *block_args, **options):
-    """The tied GPT (8 blocks) as a `pipe.PipelineModule` of `world` stages, its layers seeded
-    from MODEL_SEED; `pipe` is shardspeed.pipe or deepspeed.pipe, `block` the transformer block's
-    class (built with `block_args`), `options` further PipelineModule arguments."""
+    """The tied GPT (8 blocks) as a `pipe.PipelineModule` of `world` stages."""
     from torch import nn
 
     Embedding, head, loss_fn = _pipe_parts()
@@ -156,10 +139,7 @@ def pipeline_module(pipe, world: int, block: type, *block_args, **options):
 
 
 def tied_gpt(block: Callable, n_blocks: int = 8):
-    """The pipeline layers as one module, layer i built under torch.manual_seed(MODEL_SEED + i)
-    as a pipeline with seed_layers builds it, so every mode starts from the same weights.
-    `block(i)` builds block i; `model(ids, labels)` returns `(loss, extras)` where `extras` are
-    the blocks' second outputs (MoE auxiliary losses) when they return pairs."""
+    """The pipeline layers as one module, each layer seeded as a pipeline seeds it."""
     import torch
     from torch import nn
 
@@ -210,11 +190,6 @@ def config(micro_batch: int, stage: int = 0, **extra) -> dict:
     }
 
 
-# --------------------------------------------------------------------------------------------
-# Worker side
-# --------------------------------------------------------------------------------------------
-
-
 class Skip(Exception):
     """A mode that cannot run here (e.g. DeepSpeed not installed); the message says why."""
 
@@ -245,17 +220,16 @@ def barrier() -> None:
         dist.barrier()
 
 
-def trainer(lib: str, model, cfg: dict | None = None, *, fused=False, fsdp: dict | None = None):
-    """A training step for `model` under one framework: "torch" (plain loop), "ddp", "fsdp2"
-    (`fully_shard` per block then the root, with `fsdp` as its options) with
-    `torch.optim.AdamW(lr=LR, fused=fused)` and `clip_grad_norm_(CLIP)`; or "ours"/"deepspeed"
-    `initialize(config=cfg)`. Returns (forward, backward, update, engine-or-optimizer)."""
+def trainer(
+    lib: str, model, cfg: dict | None = None, *, fused=False, fsdp=None, adam="AdamW", clip=True
+):
+    """(forward, backward, update, engine-or-optimizer) of `model` under framework `lib`; `adam`
+    names the torch optimizer of the torch frameworks, `clip` clips its gradients at CLIP."""
     import torch
 
     if lib in ("ours", "deepspeed"):
-        engine, *_ = library(lib).initialize(
-            model=model, model_parameters=model.parameters(), config=cfg
-        )
+        params = model.parameters()
+        engine, *_ = library(lib).initialize(model=model, model_parameters=params, config=cfg)
         return engine, engine.backward, engine.step, engine
     module = model
     if lib == "ddp":
@@ -266,10 +240,12 @@ def trainer(lib: str, model, cfg: dict | None = None, *, fused=False, fsdp: dict
         for block in model.blocks:
             fully_shard(block, **(fsdp or {}))
         fully_shard(model, **(fsdp or {}))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, **({"fused": True} if fused else {}))
+    fused_option = {"fused": True} if fused else {}
+    opt = getattr(torch.optim, adam)(model.parameters(), lr=LR, **fused_option)
 
     def update():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -306,9 +282,7 @@ def current_rss_mib() -> float:
 
 
 class Window:
-    """The CPU accounting of measured windows (summed over each `with`, or `start()` to
-    `result()`), for the orchestrator's 'other load': wall seconds, the machine's busy CPU seconds
-    and this process's; `sync` (a barrier) at both ends; `last`: the latest window's seconds."""
+    """CPU accounting of measured windows (wall, machine busy, own CPU) for 'other load'."""
 
     def __init__(self, sync: Callable = barrier) -> None:
         self.sync, self.totals, self.last = sync, [0.0, 0.0, 0.0], 0.0
@@ -337,8 +311,7 @@ class Window:
 def timed(
     step: Callable, batches: list, warmup: int, steps: int, tokens_per_step: int, sync=barrier
 ) -> dict:
-    """Warm-up steps, a `sync` (barrier), `steps` timed steps, a `sync`: tokens/s, ms/step, the
-    first and last loss, and the CPU accounting the orchestrator turns into 'other load'."""
+    """Warm-up, then `steps` timed steps between `sync`s: throughput, losses, CPU use."""
     losses = [step(x, y).item() for x, y in batches[:warmup]]
     window = Window(sync).start()
     for x, y in batches[warmup : warmup + steps]:
@@ -355,8 +328,7 @@ def timed(
 
 
 def loss_curve(losses: list, average: bool = True) -> dict:
-    """The losses of every step (tensors) with the first and last; `average`: the mean over the
-    ranks (each rank had its own batch; a pipeline's or TP's loss is the global batch's)."""
+    """The losses of every step with the first and last (`average`: over the ranks)."""
     import torch
     import torch.distributed as dist
 
@@ -380,8 +352,7 @@ def local_numel(params: Iterable) -> int:
 
 
 def reachable_tensors(root, prefixes: tuple[str, ...], depth: int = 10) -> list:
-    """Tensors reachable from `root` through containers and the attributes of objects whose
-    class lives in a module starting with one of `prefixes` (nn.Modules are not entered)."""
+    """Tensors reachable from `root` through containers and objects of `prefixes` modules."""
     import torch
     from torch import nn
 
@@ -407,8 +378,7 @@ STATE_KINDS = ("parameters", "gradients", "master_weights", "optimizer_states")
 
 
 class Census:
-    """Bytes of distinct storages by kind; a storage counts once, in the first kind it is
-    added to (meta tensors hold no memory and are skipped)."""
+    """Bytes of distinct storages by kind; a storage counts once, in its first kind."""
 
     def __init__(self) -> None:
         self.seen: set[int] = set()
@@ -434,9 +404,14 @@ def optimizer_state(opt) -> list:
     return [v for s in opt.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
 
 
+def census_torch(params: list, opt, *extra: str) -> dict:
+    """Parameters, their gradients and a torch optimizer's state."""
+    c = Census().add("parameters", params).add("gradients", [p.grad for p in params])
+    return c.add("optimizer_states", optimizer_state(opt)).result(*extra)
+
+
 def census_ours(engine) -> dict:
-    """`engine.memory_breakdown()` minus buffers; 'other': further tensors reachable from the
-    ZeRO optimizer (reduction buckets in flight and the like)."""
+    """`engine.memory_breakdown()`'s model states, and other tensors of its optimizer."""
     mb = engine.memory_breakdown()
     c = Census()
     for kind, tensors in engine.optimizer.held_tensors().items():
@@ -448,9 +423,7 @@ def census_ours(engine) -> dict:
 
 
 def census_deepspeed(engine) -> dict:
-    """DeepSpeed ZeRO 0-3: parameters (and their partitions), gradients (p.grad, the flat and
-    averaged gradient buffers, the fp32 partitions' .grad), the fp32 master partitions, the inner
-    optimizer's state; 'bucket': stage 3's ipg buckets; 'other': the rest reachable from it."""
+    """DeepSpeed ZeRO 0-3's model states by kind, its ipg buckets and other tensors."""
     opt, params = engine.optimizer, list(engine.module.parameters())
     masters = list(getattr(opt, "single_partition_of_fp32_groups", None) or [])
     masters += list(getattr(opt, "fp32_partitioned_groups_flat", None) or [])
@@ -473,8 +446,7 @@ def census_deepspeed(engine) -> dict:
 
 
 def census_fsdp2(model, opt) -> dict:
-    """FSDP2: local shards of the DTensor parameters plus what its FSDPParams hold while
-    unsharded, local gradient shards, the optimizer state; 'other': the rest of FSDP's state."""
+    """FSDP2's model states by kind (local shards) and the rest of its state."""
     from torch.distributed.fsdp import FSDPModule
 
     states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
@@ -487,11 +459,72 @@ def census_fsdp2(model, opt) -> dict:
     return c.add("other", reachable_tensors(states, ("torch.distributed",))).result("other")
 
 
+REGION = ["other"]  # where the forward is, for the saved-bytes meter: "blocks" or "other"
+
+
+@contextlib.contextmanager
+def region(name: str):
+    outer, REGION[0] = REGION[0], name
+    try:
+        yield
+    finally:
+        REGION[0] = outer
+
+
+class SavedBytes:
+    """Peak bytes of tensors autograd saves for backward (parameters left out), by region."""
+
+    def __init__(self, params) -> None:
+        self.exclude = {p.untyped_storage().data_ptr() for p in params}
+        self.live: dict[int, list] = {}  # storage pointer: [references, bytes, region]
+        self.now, self.peak = {"blocks": 0, "other": 0}, 0
+        self.peak_by_region = dict(self.now)
+
+    def add(self, t) -> int | None:
+        key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        if key in self.exclude or nbytes == 0:
+            return None
+        if key in self.live:
+            self.live[key][0] += 1
+            return key
+        self.live[key] = [1, nbytes, REGION[0]]
+        self.now[REGION[0]] += nbytes
+        if sum(self.now.values()) > self.peak:
+            self.peak, self.peak_by_region = sum(self.now.values()), dict(self.now)
+        return key
+
+    def release(self, key: int) -> None:
+        entry = self.live.get(key)
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self.live[key]
+                self.now[entry[2]] -= entry[1]
+
+    def hooks(self):
+        import torch
+
+        meter = self
+
+        class Held:  # released when autograd drops it
+            def __init__(self, key, tensor) -> None:
+                self.key, self.tensor = key, tensor
+
+            def __del__(self) -> None:
+                meter.release(self.key)
+
+        def pack(t):
+            key = self.add(t)
+            return t if key is None else Held(key, t)
+
+        def unpack(held):
+            return held.tensor if isinstance(held, Held) else held
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 class CommCounter:
-    """Calls, payload bytes and seconds of torch.distributed's collectives and transfers made from
-    Python while `active` (install before shardspeed or DeepSpeed binds them; a collective that
-    calls another counts once). One over a group of one rank (which moves nothing) counts under
-    NAME@1. `batch_isend_irecv` counts per transfer. DDP's reducer runs in C++ and is not seen."""
+    """Calls, bytes and seconds of torch.distributed's collectives made from Python."""
 
     NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather")
     NAMES += ("reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "send", "recv")
@@ -558,16 +591,9 @@ class CommCounter:
         return {"calls": dict(self.calls), "bytes": dict(self.bytes)}
 
 
-# --------------------------------------------------------------------------------------------
-# Orchestrator side
-# --------------------------------------------------------------------------------------------
-
-
 @dataclass
 class Scenario:
-    """One benchmark as data: its modes with their world sizes, the steps of a run, the ratio
-    rows (ours, baseline, target or None for information, label), and the BENCHMARKS.md section
-    its tables go to."""
+    """One benchmark as data: modes and world sizes, steps, ratio rows, its section."""
 
     name: str
     section: str
@@ -589,18 +615,12 @@ def parse(scenario: Scenario, argv: Sequence[str] | None = None) -> argparse.Nam
     p = argparse.ArgumentParser(description=f"benchmark: {scenario.section.lstrip('# ')}")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--modes",
-        nargs="+",
-        default=list(scenario.default_modes or scenario.modes),
-        help=f"modes to run, of {', '.join(scenario.modes)}",
-    )
+    default, every = list(scenario.default_modes or scenario.modes), ", ".join(scenario.modes)
+    p.add_argument("--modes", nargs="+", default=default, help=f"modes to run, of {every}")
     for flag, modes in scenario.presets.items():
         p.add_argument(flag, action="store_true", help=f"run {', '.join(modes)}")
-    p.add_argument("--rounds", type=int, default=scenario.rounds)
-    p.add_argument("--warmup", type=int, default=scenario.warmup)
-    p.add_argument("--steps", type=int, default=scenario.steps)
-    p.add_argument("--micro-batch", type=int, default=scenario.micro_batch)
+    for name in ("rounds", "warmup", "steps", "micro_batch"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(scenario, name))
     p.add_argument("--threads", type=int, default=1, help="threads per process (default 1)")
     p.add_argument("--quick", action="store_true", help="tiny run: checks it works (no --write)")
     p.add_argument("--wait-idle", type=float, default=10.0, help="seconds to wait for idle")
@@ -663,9 +683,7 @@ def launch(
     env: dict | None = None,
     timeout: float | None = None,
 ) -> dict:
-    """One measured run: `torch.distributed.run --standalone` of `script --worker MODE`. Rank 0's
-    result with `ranks` (every rank's), the max peak RSS, wall time and 'other load' added; or
-    {"error"/"skipped": ..., "log": tail}. `env` is added to the environment ("" unsets)."""
+    """One measured run of `script --worker MODE`: rank 0's result with every rank's."""
     out = tmp / f"{mode}_ws{world}_{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={world}", str(BENCH_DIR / script), "--worker", mode]
@@ -692,12 +710,8 @@ def launch(
     if ranks and "skipped" in ranks[0]:
         return {"mode": mode, "world_size": world, "skipped": ranks[0]["skipped"]}
     if code != 0 or len(ranks) < world:
-        return {
-            "mode": mode,
-            "world_size": world,
-            "error": code if isinstance(code, str) else f"exit {code}",
-            "log": log.read_text()[-3000:],
-        }
+        error = code if isinstance(code, str) else f"exit {code}"
+        return {"mode": mode, "world_size": world, "error": error, "log": log.read_text()[-3000:]}
     r0 = dict(ranks[0], ranks=ranks, wall_s=wall, mode=mode, world_size=world)
     r0["peak_rss_mib"] = max(r.get("peak_rss_mib", 0) for r in ranks)
     if "elapsed_s" in r0:
@@ -707,9 +721,7 @@ def launch(
 
 
 def run_rounds(scenario: Scenario, args, script: str) -> dict:
-    """Every selected mode `args.rounds` times, interleaved and rotated; a run whose timed window
-    saw more than `--max-other-load` cores of other work is rerun (`--retries`, within
-    `--budget` seconds; then kept and marked noisy)."""
+    """Every selected mode `args.rounds` times, interleaved; disturbed runs rerun."""
     tmp = Path(tempfile.mkdtemp(prefix=f"bench_{scenario.name}_"))
     plan = [m for m in scenario.modes if m in args.modes]
     runs: dict[str, list] = {m: [] for m in plan}
@@ -750,23 +762,17 @@ def run_rounds(scenario: Scenario, args, script: str) -> dict:
 
 def run_meta(total_s: float, discarded: int, runs: dict) -> dict:
     noisy = sum(bool(r.get("noisy")) for v in runs.values() for r in v)
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True, capture_output=True
-    ).stdout.strip()
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    head = subprocess.run(git, cwd=REPO, text=True, capture_output=True).stdout.strip()
     versions = {}
     for name in ("torch", "deepspeed", "transformers"):
         with contextlib.suppress(Exception):
             versions[name] = importlib.metadata.version(name)
-    return {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{os.cpu_count()} CPU cores, {platform.system()} {platform.release()}",
-        "versions": versions | {"python": platform.python_version()},
-        "commit": head,
-        "command": " ".join(["python", *sys.argv]),
-        "total_s": round(total_s, 1),
-        "discarded": discarded,
-        "noisy": noisy,
-    }
+    meta = {"date": datetime.date.today().isoformat()}
+    meta["machine"] = f"{os.cpu_count()} CPU cores, {platform.system()} {platform.release()}"
+    meta["versions"] = versions | {"python": platform.python_version()}
+    meta |= {"commit": head, "command": " ".join(["python", *sys.argv])}
+    return meta | {"total_s": round(total_s, 1), "discarded": discarded, "noisy": noisy}
 
 
 def save(results: dict, path: str) -> None:
@@ -798,9 +804,7 @@ def main(
     script: str,
     orchestrate: Callable | None = None,
 ) -> None:
-    """The script's entry point: a rank (`--worker`), or run / render a scenario. `tables(results)`
-    returns {table id: markdown}; `orchestrate(scenario, args)` replaces the rounds of runs for
-    benchmarks that are not a set of modes."""
+    """The script's entry point: a rank (`--worker`), or run / render a scenario."""
     import render
 
     args = parse(scenario)

@@ -1,9 +1,4 @@
-"""Turns a benchmark's result JSON into markdown tables and writes them into BENCHMARKS.md.
-
-Each generated table sits between `<!-- table NAME/ID -->` and `<!-- /table -->` in BENCHMARKS.md;
-`write` replaces what is between the markers and leaves everything else (the prose findings, which
-are written by hand) as it is. A table without markers yet is appended at the end of the file.
-"""
+"""Turns a benchmark's result JSON into markdown tables and writes them into BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -17,8 +12,7 @@ MIB = 2**20
 
 
 def table(headers: Sequence[str] | str, rows: Iterable[Sequence], align: str = "") -> str:
-    """A markdown table; `headers` a list or one string of them joined by " | "; `align` has one
-    letter per column, 'r' for right-aligned (default left). Cells are str()-ed; None is '-'."""
+    """A markdown table; `align` has 'r' (right) or 'l' per column; None cells are '-'."""
     headers = headers.split(" | ") if isinstance(headers, str) else headers
     align = align.ljust(len(headers), "l")
     lines = ["| " + " | ".join(headers) + " |"]
@@ -29,8 +23,7 @@ def table(headers: Sequence[str] | str, rows: Iterable[Sequence], align: str = "
 
 
 def columns(spec: Sequence[tuple[str, str, Callable]], items: Iterable) -> str:
-    """A table with one row per item; `spec` holds (header, align 'l' or 'r', cell(item)) per
-    column."""
+    """A table with one row per item; `spec` holds (header, align, cell(item)) per column."""
     rows = [[cell(item) for _, _, cell in spec] for item in items]
     return table([c[0] for c in spec], rows, "".join(c[1] for c in spec))
 
@@ -90,8 +83,7 @@ def rss_columns(results: dict, growth: bool = True, peak_header: str = "") -> li
 
 
 def speed_columns(results: dict, bases: dict[str, str | Callable]) -> list[tuple]:
-    """Median tokens/s, ms/step, and the ratio to each base: header '/ NAME' for NAME: mode, or
-    a function of the mode giving the base's mode (None: no ratio)."""
+    """Median tokens/s, ms/step, and the ratio to each base ('/ NAME' columns)."""
 
     def against(base):
         def cell(mode: str) -> str:
@@ -138,8 +130,7 @@ def failure(results: dict, mode: str) -> str:
 
 
 def ratio_table(results: dict, comparisons: Sequence[tuple]) -> str:
-    """One row per (ours, baseline, target, label): median tokens/s of both, their ratio, the
-    per-round ratios, the target and whether it was met (target None: information only)."""
+    """One row per (ours, baseline, target, label): tokens/s, ratios, target met."""
     rows = []
     for a, b, target, label in comparisons:
         ma, mb = med(results, a), med(results, b)
@@ -158,8 +149,7 @@ def ratio_table(results: dict, comparisons: Sequence[tuple]) -> str:
 
 
 def mode_table(results: dict, modes: Iterable[str] | None = None) -> str:
-    """Per mode: world size, median tokens/s, every round (noisy ones marked *), ms/step, peak
-    RSS per rank, first -> last loss, other load per round."""
+    """Per mode: world size, tokens/s per round, ms/step, peak RSS, losses, other load."""
     rows = []
     for mode in modes or results["runs"]:
         rs = runs(results, mode)
@@ -183,8 +173,7 @@ def comm_text(calls: dict, nbytes: dict) -> str:
 
 
 def loss_lines(results: dict, reference: str, tolerance: float, key: str = "losses") -> str:
-    """Each mode's losses against the reference mode's: first and last, the first step's
-    relative difference (within `tolerance`?) and the largest over all steps."""
+    """Each mode's losses against the reference mode's (first step within `tolerance`)."""
     ref = runs(results, reference)
     ref_losses = ref[0][key] if ref else None
     rows = []
@@ -233,8 +222,7 @@ def write(name: str, tables: dict[str, str], path: Path = BENCH_MD) -> None:
 def training_tables(
     results: dict, comparisons, throughput: str, own: dict, tolerance: float
 ) -> dict:
-    """The tables of a training benchmark (pipe, tp, moe): ratios, throughput, the modes, its
-    `own` tables, the losses against shardspeed DP's (within `tolerance`) and the run line."""
+    """The tables of a training benchmark (pipe, tp, moe)."""
     out = {"ratios": ratio_table(results, comparisons), "throughput": throughput}
     out |= {"modes": mode_table(results), **own}
     return out | {"losses": loss_lines(results, "ours_dp", tolerance), "run": run_line(results)}
