@@ -125,24 +125,32 @@ def compare(name: str, runs: dict[str, dict], reference: dict) -> None:
         (hf_jobs.OUT / f"{name}-ws{world()}.json").write_text(json.dumps(result))
 
 
+def against_reference(
+    name: str,
+    trainer_class: Any,
+    config_class: Any,
+    out: Path,
+    stages: tuple = ((2, ZERO2), (3, ZERO3)),
+    **kwargs: Any,
+) -> None:
+    """The trainer without DeepSpeed, then at each (stage, documented config); compared."""
+    reference = run(trainer_class, config_class, out / name, None, **kwargs)
+    runs = {
+        f"zero{stage}": run(
+            trainer_class, config_class, out / f"{name}{stage}", with_stage(config, stage), **kwargs
+        )
+        for stage, config in stages
+    }
+    compare(name, runs, reference)
+
+
 @case
 def trl_sft(out: Path) -> None:
     """SFTTrainer on token-id sentences at ZeRO 2 and 3 against the same trainer without."""
     from trl import SFTConfig, SFTTrainer
 
     data = Dataset.from_dict({"text": words(32, 15, seed=1)})
-    reference = run(SFTTrainer, SFTConfig, out / "sft", None, train_dataset=data)
-    runs = {
-        f"zero{stage}": run(
-            SFTTrainer,
-            SFTConfig,
-            out / f"sft{stage}",
-            with_stage(config, stage),
-            train_dataset=data,
-        )
-        for stage, config in ((2, ZERO2), (3, ZERO3))
-    }
-    compare("trl_sft", runs, reference)
+    against_reference("trl_sft", SFTTrainer, SFTConfig, out, train_dataset=data)
 
 
 @case
@@ -158,9 +166,7 @@ def trl_grpo(out: Path) -> None:
     data = Dataset.from_dict({"prompt": words(16, 6, seed=2)})
     settings = {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 6}
     kwargs = {"reward_funcs": length, "train_dataset": data, "settings": settings}
-    reference = run(GRPOTrainer, GRPOConfig, out / "grpo", None, **kwargs)
-    runs = {"zero3": run(GRPOTrainer, GRPOConfig, out / "grpo3", with_stage(ZERO3, 3), **kwargs)}
-    compare("trl_grpo", runs, reference)
+    against_reference("trl_grpo", GRPOTrainer, GRPOConfig, out, stages=((3, ZERO3),), **kwargs)
 
 
 @case
@@ -171,18 +177,7 @@ def trl_dpo(out: Path) -> None:
 
     prompts, chosen, rejected = words(16, 4, seed=3), words(16, 5, seed=4), words(16, 5, seed=5)
     data = Dataset.from_dict({"prompt": prompts, "chosen": chosen, "rejected": rejected})
-    reference = run(DPOTrainer, DPOConfig, out / "dpo", None, train_dataset=data)
-    runs = {
-        f"zero{stage}": run(
-            DPOTrainer,
-            DPOConfig,
-            out / f"dpo{stage}",
-            with_stage(config, stage),
-            train_dataset=data,
-        )
-        for stage, config in ((2, ZERO2), (3, ZERO3))
-    }
-    compare("trl_dpo", runs, reference)
+    against_reference("trl_dpo", DPOTrainer, DPOConfig, out, train_dataset=data)
 
 
 def lora_trainer(out: Path, ds: dict | None, **overrides: Any) -> Any:
