@@ -680,3 +680,11 @@ def test_a_disabled_section_still_refuses_keys_not_honoured():
     with pytest.raises(ConfigError, match=r"'hybrid_engine\.enable_cuda_graph' is not supported"):
         load({"hybrid_engine": {"enabled": False, "enable_cuda_graph": True}})
     load({"comet": {"enabled": False, "project": "x"}})
+
+
+def test_sequence_parallel_section_keys_that_would_change_nothing_are_refused():
+    with pytest.raises(ConfigError, match=re.escape("'enabled' is false, so ['mode'] would")):
+        load({"sequence_parallel": {"enabled": False, "mode": "ring"}})
+    with pytest.raises(ConfigError, match=re.escape("'tiling.chunk_size' sizes the tiles")):
+        load({"sequence_parallel": {"tiling": {"chunk_size": 8}}})
+    assert load({"sequence_parallel": {"enabled": False}}).sequence_parallel_size == 1

@@ -688,6 +688,17 @@ class SequenceParallelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _degree_fits_mode(self) -> SequenceParallelConfig:
+        set_keys = sorted(self.model_fields_set - {"enabled"})
+        if not self.enabled and set_keys:
+            raise ValueError(
+                f"'enabled' is false, so {set_keys} would change nothing: remove them, or set "
+                "'enabled' true"
+            )
+        if self.tiling.chunk_size is not None and not self.tiling.enabled:
+            raise ValueError(
+                "'tiling.chunk_size' sizes the tiles of 'tiling.enabled', which is false: remove "
+                "it, or enable tiling"
+            )
         degree, size = self.ulysses.degree, self.size
         if self.mode == "ring" and degree not in (None, 1):
             raise ValueError(

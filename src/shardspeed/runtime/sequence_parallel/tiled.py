@@ -107,7 +107,7 @@ class TiledMLP(torch.autograd.Function):
     uses. See the module docstring for what it saves and costs."""
 
     @classmethod
-    def apply(  # type: ignore[override]
+    def apply(  # type: ignore[override]  # DeepSpeed's signature; parameters appended for autograd
         cls,
         fn: Callable[[Any, torch.Tensor], torch.Tensor],
         self: Any,
@@ -159,7 +159,7 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     """
 
     @classmethod
-    def apply(  # type: ignore[override]
+    def apply(  # type: ignore[override]  # DeepSpeed's signature; parameters appended for autograd
         cls,
         fn: Callable[..., torch.Tensor],
         self: Any,
@@ -263,7 +263,7 @@ class SequenceTiledCompute(torch.autograd.Function):
     `keys_to_pass`."""
 
     @classmethod
-    def apply(  # type: ignore[override]
+    def apply(  # type: ignore[override]  # DeepSpeed's signature; parameters appended for autograd
         cls,
         fn: Callable[..., torch.Tensor],
         seqlen: int,
