@@ -579,10 +579,6 @@ RULE_TRIGGERS: dict[str, tuple[dict, RunFacts | None]] = {
         {"compile": {"enabled": True}, "zero_optimization": {"stage": 3}},
         None,
     ),
-    "Lamb on whole tensors": (
-        {"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 1}},
-        None,
-    ),
     "stage 3 without a pipeline": (
         {"zero_optimization": {"stage": 3}},
         RunFacts(pipeline_module=True),

@@ -316,20 +316,19 @@ class Custom(torch.optim.Optimizer):
                 p.data.add_(p.grad, alpha=-group["lr"])
 
 
-def test_untested_client_optimizer_needs_the_flag():
-    model = make_model()
-    with pytest.raises(shardspeed.ConfigError, match="zero_allow_untested_optimizer"):
-        shardspeed.initialize(
+def test_untested_client_optimizer_gets_whole_tensors_unless_declared_elementwise():
+    """An optimizer shardspeed does not know is stepped on whole tensors (right for any
+    optimizer); 'zero_allow_untested_optimizer' declares it element-wise: DeepSpeed's flat shards."""
+    for allow, whole in ((False, True), (True, False)):
+        model = make_model()
+        engine, *_ = shardspeed.initialize(
             model=model,
             optimizer=Custom(model.parameters()),
-            config={"train_batch_size": 8, **zero(1)},
+            config={"train_batch_size": 8, "zero_allow_untested_optimizer": allow, **zero(1)},
         )
-    engine, *_ = shardspeed.initialize(
-        model=model,
-        optimizer=Custom(model.parameters()),
-        config={"train_batch_size": 8, "zero_allow_untested_optimizer": True, **zero(1)},
-    )
-    assert engine.zero_optimization_stage() == 1
+        assert engine.zero_optimization_stage() == 1
+        plan = engine.optimizer.plan
+        assert plan.region_whole == (whole,) * len(plan.region_params)
 
 
 def nonfinite_fp32(stage: int) -> None:

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import ConfigError
-from .optimizer import canonical_optimizer_name
 from .schema import ShardSpeedConfig
 
 
@@ -74,11 +73,6 @@ def _sequence_refused(with_: str, instead: str) -> Message:
     )
 
 
-def _is_lamb(config: ShardSpeedConfig) -> bool:
-    optimizer = config.optimizer
-    return optimizer is not None and canonical_optimizer_name(optimizer.type) == "Lamb"
-
-
 RULES: tuple[Rule, ...] = (
     Rule(
         "one precision",
@@ -124,15 +118,6 @@ RULES: tuple[Rule, ...] = (
             "'compile' (torch.compile, also engine.compile()) does not combine with ZeRO stage 3: "
             "the parameter gathers run in module hooks that torch.compile cannot trace; use "
             "'zero_optimization.stage' 0, 1 or 2 to compile"
-        ),
-    ),
-    Rule(
-        "Lamb on whole tensors",
-        "optimizer.type",
-        lambda config, facts: _is_lamb(config) and _stage(config) >= 1,
-        lambda config, facts: (
-            "'optimizer.type' Lamb needs whole tensors for its per-tensor trust ratio: it "
-            f"runs only with 'zero_optimization.stage' 0 (got stage {_stage(config)})"
         ),
     ),
     Rule(

@@ -77,6 +77,34 @@ _ELEMENTWISE_OPTIMIZERS = (
 )
 
 
+# Optimizers whose update of an element depends on its whole tensor (a trust ratio, factored
+# moments), by class name: transformers' and torch's Adafactor, apex's and DeepSpeed's Lamb.
+_PER_TENSOR_OPTIMIZERS = frozenset({"Adafactor", "Lamb", "FusedLamb", "LAMB", "LARS", "Lars"})
+
+
+def _whole_tensor_groups(
+    optimizer: torch.optim.Optimizer, allow_untested: bool
+) -> tuple[bool, ...]:
+    """For each param group, whether ZeRO steps it on whole tensors rather than flat shards.
+
+    An optimizer may say so per group (`needs_whole_tensors(group)`: Muon's matrices, not its
+    AdamW half). Known element-wise optimizers take flat shards, known per-tensor ones whole
+    tensors. Any other gets whole tensors, which is right for every optimizer, unless
+    'zero_allow_untested_optimizer' declares it element-wise (DeepSpeed's flat layout).
+    """
+    groups = optimizer.param_groups
+    ask = getattr(optimizer, "needs_whole_tensors", None)
+    if callable(ask):
+        return tuple(bool(ask(group)) for group in groups)
+    if isinstance(optimizer, _ELEMENTWISE_OPTIMIZERS):
+        whole = False
+    elif type(optimizer).__name__ in _PER_TENSOR_OPTIMIZERS:
+        whole = True
+    else:
+        whole = not allow_untested
+    return (whole,) * len(groups)
+
+
 class ShardSpeedEngine(nn.Module):
     """What `shardspeed.initialize` returns first; wraps the user's model as `engine.module`."""
 
@@ -161,13 +189,6 @@ class ShardSpeedEngine(nn.Module):
             return None
         config = self.run_config
         zero = config.zero_optimization
-        untested = not isinstance(basic, _ELEMENTWISE_OPTIMIZERS) and config.optimizer is None
-        if zero.stage >= 1 and untested and not config.zero_allow_untested_optimizer:
-            raise ConfigError(
-                f"ZeRO stage {zero.stage} steps one flat shard per param group, which is only "
-                f"right for element-wise optimizers; {type(basic).__name__} is not known to be "
-                "one. Set 'zero_allow_untested_optimizer': true if it is (as DeepSpeed asks)"
-            )
         if isinstance(basic, CompressedOptimizer):
             topo = self.topology
             refuse_combinations(
@@ -229,6 +250,7 @@ class ShardSpeedEngine(nn.Module):
             stage3=Stage3Options.from_config(zero),
             offload=OffloadOptions.from_config(config),
             grad_dtype=_DTYPES.get(config.data_types.grad_accum_dtype),
+            whole_groups=_whole_tensor_groups(basic, config.zero_allow_untested_optimizer),
             **self._sharding_layout(),
         )
 
@@ -824,7 +846,12 @@ def check_param_groups(groups: list[dict[str, Any]]) -> None:
     """Refuse a param group whose numeric settings are not numbers, naming the group and key."""
     for index, group in enumerate(groups):
         for key in _NUMERIC_GROUP_KEYS:
-            if key in group and not _is_number(group[key]):
+            value = group.get(key)
+            # Adafactor's eps is a pair (of which transformers' and torch's first may be None).
+            pair = key == "eps" and isinstance(value, (tuple, list)) and len(value) == 2
+            if pair and all(v is None or _is_number(v) for v in value):
+                continue
+            if key in group and not _is_number(value):
                 raise ValueError(
                     f"optimizer param group {index}: '{key}' is {group[key]!r} "
                     f"({type(group[key]).__name__}); it must be a number"

@@ -6,6 +6,13 @@ region is padded to a multiple of its shard count, so that each rank of the grou
 contiguous, equal range of it: a ZeRO shard. Regions may have different shard counts: a mixture of
 experts' expert weights are sharded over the ranks holding the same experts, the rest over the whole
 data-parallel group.
+
+A region of whole tensors (for optimizers whose update of an element depends on its whole tensor:
+Lamb's trust ratio, Muon's orthogonalisation, Adafactor's factored moments) is laid out as one bin
+per shard instead: its tensors, in order, are cut into as many consecutive runs as it has shards,
+with the largest run as small as possible, and every bin is padded to that largest run. Each shard
+then holds whole tensors only, and every collective over equal shards works unchanged; the price
+is the padding, at most the largest tensor per rank.
 """
 
 from __future__ import annotations
@@ -29,21 +36,36 @@ class FlatLayout:
 
     @classmethod
     def of(
-        cls, groups: Sequence[Sequence[torch.Tensor]], shards: int | Sequence[int] = 1
+        cls,
+        groups: Sequence[Sequence[torch.Tensor]],
+        shards: int | Sequence[int] = 1,
+        whole: Sequence[bool] = (),
     ) -> FlatLayout:
         """Lay the tensors of each region out in order, each padded to a multiple of its `shards`
-        (one count for all regions, or one per region)."""
+        (one count for all regions, or one per region); a region with `whole` true is laid out
+        in bins of whole tensors (see the module docstring)."""
         counts = (shards,) * len(groups) if isinstance(shards, int) else tuple(shards)
+        whole = tuple(whole) or (False,) * len(groups)
         shapes, offsets, numels, regions, cursor = [], [], [], [], 0
-        for tensors, shards in zip(groups, counts, strict=True):
+        for tensors, shards, in_bins in zip(groups, counts, whole, strict=True):
             start = cursor
-            for tensor in tensors:
-                shape = logical_shape(tensor)
-                shapes.append(shape)
-                offsets.append(cursor)
-                numels.append(shape.numel())
-                cursor += shape.numel()
-            cursor = start + -(-(cursor - start) // shards) * shards
+            sizes = [logical_shape(t).numel() for t in tensors]
+            shapes += [logical_shape(t) for t in tensors]
+            numels += sizes
+            if in_bins and shards > 1:
+                bins = whole_tensor_bins(sizes, shards)
+                width = max((sum(sizes[i] for i in b) for b in bins), default=0)
+                for b, members in enumerate(bins):
+                    cursor = start + b * width
+                    for i in members:
+                        offsets.append(cursor)
+                        cursor += sizes[i]
+                cursor = start + shards * width
+            else:
+                for size in sizes:
+                    offsets.append(cursor)
+                    cursor += size
+                cursor = start + -(-(cursor - start) // shards) * shards
             regions.append((start, cursor))
         return cls(tuple(shapes), tuple(offsets), tuple(numels), tuple(regions), counts, cursor)
 
@@ -95,6 +117,31 @@ class FlatLayout:
                     pieces.append((g, rank, a, b, shard_offset + a - s_start))
             shard_offset += size
         return pieces
+
+
+def whole_tensor_bins(sizes: Sequence[int], bins: int) -> list[range]:
+    """`sizes` cut into `bins` consecutive runs (some may be empty) whose largest sum is as small
+    as it can be: a binary search on that largest sum, each candidate filled greedily."""
+
+    def fill(capacity: int) -> list[range]:
+        runs, first, total = [], 0, 0
+        for i, size in enumerate(sizes):
+            if total + size > capacity and i > first:
+                runs.append(range(first, i))
+                first, total = i, 0
+            total += size
+        runs.append(range(first, len(sizes)))
+        return runs
+
+    low, high = max(sizes, default=0), sum(sizes)
+    while low < high:
+        middle = (low + high) // 2
+        if len(fill(middle)) <= bins:
+            high = middle
+        else:
+            low = middle + 1
+    runs = fill(low)
+    return runs + [range(len(sizes), len(sizes))] * (bins - len(runs))
 
 
 def logical_shape(tensor: torch.Tensor) -> torch.Size:

@@ -4,10 +4,11 @@ Every stage lays the trainable parameters out in one flat buffer of the model's 
 are views into it), group by group, and averages gradients with a `GradientReducer` launched from
 post-accumulate-grad hooks. What differs is what a rank keeps:
 
-- stage 0: everything. The torch optimizer sees one fp32 master tensor per parameter, so per-tensor
-  algorithms (LAMB) keep their meaning.
+- stage 0: everything. The torch optimizer sees one fp32 master tensor per parameter.
 - stage 1: the full gradient buffer, but fp32 master weights and optimizer state only for its shard
-  (a contiguous 1/N of every param group). Gradients are reduced to their owners at the boundary.
+  (a contiguous 1/N of every param group, or, for param groups whose optimizer needs whole tensors
+  (Lamb, Muon, Adafactor), the whole tensors in its bin). Gradients are reduced to their owners at
+  the boundary.
 - stage 2: as stage 1, and gradients too only for its shard: each bucket is reduced every micro-step
   and its buffer goes back to the reducer's small pool once the rank has added its own part to its
   shard accumulator.
@@ -20,7 +21,7 @@ to it.
 
 At the boundary, `step()` unscales, checks for overflow (the norm is summed across shards, so every
 rank agrees), clips by the global norm, runs the torch optimizer on the master tensors (one flat
-tensor per group for stages 1 and 2), copies masters back to the model's dtype and, for stages 1 and
+tensor per group for stages 1 and 2, or the whole tensors of its bin), copies masters back to the model's dtype and, for stages 1 and
 2, all-gathers the updated shards.
 """
 
@@ -81,7 +82,9 @@ class ZeroOptimizer:
     (a rank's model chunks), each laid out contiguously with buckets of its own; `ties` are
     weights shared with other stages; `norm_group` joins the ranks whose gradients together make
     the model's (the stages), for the global norm. `experts` are expert-parallel weights (see the
-    module docstring). Where bytes live is the `plan`'s; what holds them, the stores'.
+    module docstring). `whole_groups[g]`: param group `g` is stepped on whole tensors (its
+    optimizer's update of an element depends on the whole tensor). Where bytes live is the
+    `plan`'s; what holds them, the stores'.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class ZeroOptimizer:
         norm_group: Any = None,
         experts: Sequence[ExpertParameters] = (),
         grad_dtype: torch.dtype | None = None,
+        whole_groups: Sequence[bool] = (),
     ) -> None:
         self.module, self.optimizer = module, optimizer
         self.offload = offload or OffloadOptions()
@@ -126,6 +130,7 @@ class ZeroOptimizer:
             experts=experts,
             stage3=stage3,
             sub_group_size=self.offload.sub_group_size,
+            whole_groups=whole_groups,
         )
         plan = self.plan
         self.stage, self.layout, self.params = plan.stage, plan.layout, list(plan.params)

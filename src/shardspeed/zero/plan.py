@@ -10,12 +10,18 @@ A region is what the optimizer steps as one tensor: the part of a param group in
 Blocks are stage 3's gather units, or a pipeline stage's tied weights and chunks; otherwise there
 is one block and a region is a param group. A region's place is 0 for the data-parallel group and
 i + 1 for `experts[i]`'s expert-data group.
+
+A master is one tensor the torch optimizer steps. At stage 0 it is a parameter, whole. From stage
+1 on it is this rank's shard of a region, flat; or, in a region of whole tensors (the param groups
+of optimizers that need them, see `flat.FlatLayout.of`), each parameter in this rank's bin, whole
+and in its own shape, so that per-tensor arithmetic is the single-process one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import torch
@@ -56,6 +62,17 @@ class ExpertParameters:
     world_size: int
 
 
+class Master(NamedTuple):
+    """One tensor the torch optimizer steps (see the module docstring)."""
+
+    region: int
+    owned: int  # its first element in owned coordinates
+    start: int  # its first element in the flat layout
+    numel: int
+    shape: torch.Size  # flat for a shard, the parameter's own when whole
+    param: int | None  # the parameter it is, when whole
+
+
 class Place(NamedTuple):
     """A group of ranks that hold the same regions, and this rank's rank and the size there."""
 
@@ -89,6 +106,8 @@ class ShardPlan:
     ties: tuple[tuple[tuple[int, int], TiedParameters], ...]  # owned span of each tie
     norm_spans: tuple[tuple[int, int, float], ...]  # owned spans the norm counts, with weights
     norm_over_dp: bool  # whether squares are summed over the data-parallel group
+    region_whole: tuple[bool, ...] = ()  # regions laid out in bins of whole tensors
+    masters: tuple[Master, ...] = ()
 
     @property
     def sharded(self) -> bool:
@@ -106,24 +125,34 @@ class ShardPlan:
         return start, start + sum(sizes[regions.start : regions.stop])
 
     def master_views(self, owned: torch.Tensor) -> list[torch.Tensor]:
-        """`owned` (owned coordinates) cut into one view per master."""
-        if not self.sharded:
-            return self.layout.views(owned)
-        return list(owned.split(self.shard_sizes()))
+        """`owned` (owned coordinates) cut into one view per master, in the master's shape."""
+        return [owned.narrow(0, m.owned, m.numel).view(m.shape) for m in self.masters]
 
     def master_numel(self, k: int) -> int:
-        return self.layout.numels[k] if not self.sharded else self.shard_sizes()[k]
+        return self.masters[k].numel
 
     def fragments(self, i: int) -> list[tuple[int, int, int, int]]:
         """Where this rank holds parameter `i`'s master values: (master, first element in the
         flattened parameter, offset in the master, length)."""
-        if not self.sharded:
-            return [(i, 0, 0, self.layout.numels[i])]
+        whole = self._param_master.get(i)
+        if whole is not None:
+            return [(whole, 0, 0, self.layout.numels[i])]
         r = self.param_region[i]
+        k = self._region_master.get(r)
+        if k is None:  # a whole tensor in another rank's bin
+            return []
         offset, numel = self.layout.offsets[i], self.layout.numels[i]
         s, e = self.shard_ranges[r]
         lo, hi = max(s, offset), min(e, offset + numel)
-        return [(r, lo - offset, lo - s, hi - lo)] if lo < hi else []
+        return [(k, lo - offset, lo - s, hi - lo)] if lo < hi else []
+
+    @cached_property
+    def _param_master(self) -> dict[int, int]:
+        return {m.param: k for k, m in enumerate(self.masters) if m.param is not None}
+
+    @cached_property
+    def _region_master(self) -> dict[int, int]:
+        return {m.region: k for k, m in enumerate(self.masters) if m.param is None}
 
     def fragment_group(self, i: int) -> tuple[Any, int]:
         """(group, size) over which parameter `i`'s fragments make it whole; size 1 when whole."""
@@ -135,9 +164,7 @@ class ShardPlan:
     def master_pieces(self) -> list[list[tuple[str, int, int, int]]]:
         """For each master, the parameter elements it holds, padding left out: (parameter name,
         first element in the flattened parameter, offset in the master, length)."""
-        if not self.sharded:
-            return [[(name, 0, 0, n)] for name, n in zip(self.param_names, self.layout.numels)]
-        pieces: list[list[tuple[str, int, int, int]]] = [[] for _ in self.shard_ranges]
+        pieces: list[list[tuple[str, int, int, int]]] = [[] for _ in self.masters]
         for i, name in enumerate(self.param_names):
             for k, start, offset, length in self.fragments(i):
                 pieces[k].append((name, start, offset, length))
@@ -149,7 +176,7 @@ class ShardPlan:
         group's weights; expert weights' first holder is their group's rank 0)."""
         if self.sharded:
             return True
-        place = self.region_place[self.param_region[k]]
+        place = self.region_place[self.masters[k].region]
         return first_replica if place == 0 else self.places[place].rank == 0
 
     def flat_position(self, owned: int) -> int:
@@ -229,9 +256,11 @@ def build_plan(
     experts: Sequence[ExpertParameters] = (),
     stage3: Stage3Options | None = None,
     sub_group_size: int = 1_000_000_000,
+    whole_groups: Sequence[bool] = (),
 ) -> ShardPlan:
     """The plan for `optimizer`'s trainable parameters of `module` at ZeRO `stage` (the stage
-    actually run: the caller lowers it where one rank has nothing to shard)."""
+    actually run: the caller lowers it where one rank has nothing to shard). `whole_groups[g]`:
+    param group `g`'s optimizer needs whole tensors."""
     groups = managed_groups(module, optimizer)
     assert not (experts and stage == 3), "initialize refuses expert parallelism at ZeRO stage 3"
     places = (data, *(Place(e.group, e.rank, e.world_size) for e in experts))
@@ -259,7 +288,9 @@ def build_plan(
     params = [p for region in regions for p in region]
     names = {p: n for n, p in module.named_parameters()}
     names.update((p, n) for e in experts for p, n in zip(e.params, e.names))
-    layout = FlatLayout.of(regions, [places[p].world for p in region_place] if stage else 1)
+    region_whole = [stage >= 1 and bool(whole_groups) and whole_groups[g] for g in region_group]
+    shards = [places[p].world for p in region_place] if stage else 1
+    layout = FlatLayout.of(regions, shards, region_whole)
     first_param = [0]
     for region in regions:
         first_param.append(first_param[-1] + len(region))
@@ -286,8 +317,33 @@ def build_plan(
         norm_spans=(),
         # Expert weights make the norm a sum over the data-parallel group even unsharded.
         norm_over_dp=stage >= 1 or bool(experts),
+        region_whole=tuple(region_whole),
     )
+    plan = replace(plan, masters=_masters(plan))
     return _with_norm(plan, blocks, block_regions, ties)
+
+
+def _masters(plan: ShardPlan) -> tuple[Master, ...]:
+    """The tensors the optimizer steps, in owned order (see the module docstring)."""
+    layout = plan.layout
+    if not plan.sharded:
+        return tuple(
+            Master(plan.param_region[i], offset, offset, numel, shape, i)
+            for i, (offset, numel, shape) in enumerate(
+                zip(layout.offsets, layout.numels, layout.shapes)
+            )
+        )
+    masters, owned, first = [], 0, 0
+    for r, (region, (s, e)) in enumerate(zip(plan.region_params, plan.shard_ranges)):
+        if not plan.region_whole[r]:
+            masters.append(Master(r, owned, s, e - s, torch.Size([e - s]), None))
+        for i in range(first, first + len(region)):
+            offset = layout.offsets[i]
+            if plan.region_whole[r] and s <= offset < e:
+                shape = layout.shapes[i]
+                masters.append(Master(r, owned + offset - s, offset, layout.numels[i], shape, i))
+        owned, first = owned + e - s, first + len(region)
+    return tuple(masters)
 
 
 def _with_norm(

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import all_gather, all_gather_into_tensor, broadcast, get_rank
+from ..config.errors import ConfigError
 from .init import full_value, is_init_sharded
 from .offload import OffloadOptions, SwappedStates
 from .partitioned import MemoryShard, ShardedParameters, Stage3Options, SwappedShard
@@ -103,9 +104,8 @@ class FlatGradients:
 
     def piece(self, k: int) -> torch.Tensor:
         """Master `k`'s gradient, a flat view."""
-        if not self.plan.sharded:
-            return self.views[k].reshape(-1)
-        return self.flat[slice(*self.plan.shard_ranges[k])]
+        master = self.plan.masters[k]
+        return self.flat.narrow(0, master.start, master.numel)
 
     def buffer(self) -> torch.Tensor:
         return self.flat
@@ -151,7 +151,7 @@ class ShardGradients:
         return grads is self.shard
 
     def piece(self, k: int) -> torch.Tensor:
-        return self._pieces[k]
+        return self._pieces[k].reshape(-1)
 
     def buffer(self) -> torch.Tensor:
         return self.shard
@@ -562,13 +562,28 @@ def _masters(
 ) -> AliasedMasters:
     """The masters on `device`: the swapped shard, the model's own fp32 values, or a copy."""
     if params.swapped_shard is not None:
+        if any(plan.region_whole):
+            raise ConfigError(
+                "'zero_optimization.offload_param.device' nvme keeps parameter shards as flat "
+                "swap files, and this optimizer needs whole tensors (Lamb, Muon, Adafactor, ...): "
+                "offload parameters to 'cpu', or use an element-wise optimizer"
+            )
         return SwappedMasters(params.swapped_shard, len(plan.shard_ranges))
     own = params.own_pieces()
     if plan.params[0].dtype != torch.float32 or own[0].device != device:
         return CopiedMasters(plan, own, device, pin)
     if not plan.sharded:
         return AliasedMasters(list(plan.params))
-    return AliasedMasters([nn.Parameter(v) for v in own])
+    return AliasedMasters(
+        [
+            nn.Parameter(
+                own[m.region]
+                .narrow(0, m.start - plan.shard_ranges[m.region][0], m.numel)
+                .view(m.shape)
+            )
+            for m in plan.masters
+        ]
+    )
 
 
 def _point_optimizer(
@@ -586,8 +601,8 @@ def _point_optimizer(
             group["params"] = [by_param.get(p, p) for p in group["params"]]
         return
     by_group: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
-    for master, group in zip(masters, plan.region_group):
-        by_group[group].append(master)
+    for master, where in zip(masters, plan.masters):
+        by_group[plan.region_group[where.region]].append(master)
     for group, shard in zip(optimizer.param_groups, by_group):
         group["params"] = shard
 
