@@ -85,7 +85,16 @@ def reference(name: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train(name: str, stage: int, micro: int, extra: dict | None = None) -> dict[str, Any]:
+def train(
+    name: str,
+    stage: int,
+    micro: int,
+    extra: dict | None = None,
+    steps: range = range(STEPS),
+    load: str | None = None,
+    save: str | None = None,
+) -> dict[str, Any]:
+    """`steps` of training (resumed from checkpoint directory `load`, saved to `save`)."""
     model = Blocks()
     engine, *_ = shardspeed.initialize(
         model=model,
@@ -99,13 +108,17 @@ def train(name: str, stage: int, micro: int, extra: dict | None = None) -> dict[
         },
     )
     rank, world = engine.global_rank, engine.dp_world_size
-    for step in range(STEPS):
+    if load is not None:
+        engine.load_checkpoint(load)
+    for step in steps:
         x, y = batch(step)
         for m in range(engine.gradient_accumulation_steps()):
             start = (m * world + rank) * micro
             loss = F.mse_loss(engine(x[start : start + micro]), y[start : start + micro])
             engine.backward(loss)
             engine.step()
+    if save is not None:
+        engine.save_checkpoint(save)
     plan = engine.optimizer.plan
     masters = [(m.param, tuple(m.shape)) for m in plan.masters]
     with shardspeed.zero.GatheredParameters(list(model.parameters())):
@@ -162,3 +175,20 @@ def train_adamw() -> list:
         },
     )
     return [(m.param, tuple(m.shape)) for m in engine.optimizer.plan.masters]
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lamb"])
+def test_checkpoint_reshards_across_world_sizes_and_stages(pool2, pool4, tmp_path, name):
+    """Saved at ZeRO 2 on 2 ranks halfway, resumed at ZeRO 3 on 4 ranks and at ZeRO 1 on 2:
+    the end equals uninterrupted single-process training (Adafactor's factored moments are
+    saved whole in their own shapes; Lamb's per-element moments as pieces of parameters)."""
+    half = STEPS // 2
+    pool2.run(train, name, 2, 2, steps=range(half), save=str(tmp_path))
+    expected = reference(name)
+    resumed = [
+        pool4.run(train, name, 3, 1, steps=range(half, STEPS), load=str(tmp_path)),
+        pool2.run(train, name, 1, 2, steps=range(half, STEPS), load=str(tmp_path)),
+    ]
+    for results in resumed:
+        for result in results:
+            assert_close_relative(result["params"], expected, 5e-5)

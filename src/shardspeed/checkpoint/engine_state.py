@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -227,6 +228,8 @@ class _LogicalTensors:
     def __init__(self, engine: Any) -> None:
         self.entries: dict[str, dict[str, Any]] = {}
         self.splits: dict[str, dict[str, Any]] = {}
+        # Parameters with states saved whole in their own shapes: each one's state names.
+        self.whole_states: dict[str, list[str]] = {}
         self._split_params = tensor_parallel_splits(engine)
         self._tp_rank = engine.topology.tp_rank
 
@@ -265,9 +268,11 @@ def _collect(
     rank_state: dict[str, Any] = {
         "rng": encode(_rng_state(), tensors, f"rng.{rank}."),
         "splits": logical.splits,
+        "whole_states": logical.whole_states,
     }
+    scalars = group_scalars(engine.optimizer)
     if rank == 0:
-        rank_state["shared"] = _shared_state(engine, tensors, client_state)
+        rank_state["shared"] = _shared_state(engine, tensors, client_state, scalars)
     return logical.entries, rank_state
 
 
@@ -287,6 +292,14 @@ def _collect_masters(
         sized = {n: v.reshape(-1) for n, v in state.items() if per_element(v, flat.numel())}
         for n, v in sized.items():
             tensors[f"optim.{n}.{k}"] = v.detach()
+        whole = _whole_states(zopt, state, sized, pieces, flat.numel())
+        for n, v in whole.items():
+            tensors[f"optim.{n}.{k}"] = v.detach().reshape(-1)
+            name = pieces[0][0]
+            key = logical.stored_name(f"optim/{n}/{name}", name)
+            logical.add(key, f"optim.{n}.{k}", v, (0, v.numel(), 0), v.shape)
+        if whole:
+            logical.whole_states[pieces[0][0]] = sorted([*sized, *whole])
         for name, start, offset, length in pieces:
             piece = (start, length, offset)
             key = logical.stored_name(f"param/{name}", name)
@@ -294,6 +307,33 @@ def _collect_masters(
             for n, v in sized.items():
                 key = logical.stored_name(f"optim/{n}/{name}", name)
                 logical.add(key, f"optim.{n}.{k}", v, piece, shapes[name])
+
+
+def _whole_states(
+    zopt: Any,
+    state: dict[str, Any],
+    sized: dict[str, torch.Tensor],
+    pieces: list[tuple[str, int, int, int]],
+    numel: int,
+) -> dict[str, torch.Tensor]:
+    """A master's optimizer states that are neither per element nor scalars (Adafactor's
+    factored moments), saved whole in their own shape. Only a master that is one whole parameter
+    can have them: the shard plan steps such optimizers on whole tensors."""
+    others = {
+        n: v
+        for n, v in state.items()
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and n not in sized
+    }
+    whole = len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][3] == numel
+    if others and not whole:
+        n, v = next(iter(others.items()))
+        raise CheckpointError(
+            f"{type(zopt.optimizer).__name__} keeps optimizer state '{n}' of shape "
+            f"{list(v.shape)} for a flat shard of {numel} elements: such a state cannot be cut "
+            "into parameters. Drop 'zero_allow_untested_optimizer' so that this optimizer is "
+            "stepped on whole tensors"
+        )
+    return others
 
 
 def _collect_whole_tensors(
@@ -326,12 +366,15 @@ def _collect_whole_tensors(
 
 
 def _shared_state(
-    engine: Any, tensors: _RankFiles, client_state: dict[str, Any] | None
+    engine: Any,
+    tensors: _RankFiles,
+    client_state: dict[str, Any] | None,
+    scalars: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """The training state every rank shares (rank 0 saves it): optimizer hyperparameters, loss
     scaler, scheduler, counters, data loader position and the caller's `client_state`."""
     return {
-        "optimizer": _optimizer_json(engine.optimizer, tensors),
+        "optimizer": _optimizer_json(engine.optimizer, tensors, scalars),
         "loss_scaler": encode(engine.optimizer.loss_scaler.state_dict(), tensors, "extra."),
         "lr_scheduler": encode(
             engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
@@ -354,18 +397,39 @@ def _shared_state(
     }
 
 
-def _optimizer_json(zopt: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Hyperparameters and per-group scalar states (such as Adam's step) of the torch optimizer."""
-    groups = []
+def _optimizer_json(
+    zopt: Any, tensors: dict[str, torch.Tensor], scalars: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Hyperparameters and per-group scalar states (`group_scalars`) of the torch optimizer."""
+    groups = [
+        {"hyper": encode({k: v for k, v in group.items() if k != "params"}, tensors, "extra.")}
+        for group in zopt.optimizer.param_groups
+    ]
+    for group, values in zip(groups, scalars):
+        group["scalars"] = values
+    return {"type": type(zopt.optimizer).__name__, "groups": groups}
+
+
+def group_scalars(zopt: Any) -> list[dict[str, Any]]:
+    """Each param group's scalar states (such as Adam's step), from the first master holding
+    them. Collective where groups are stepped on whole tensors: a rank may own none of a group's
+    tensors, so every rank's are merged, in rank order."""
+    mine = []
     for group in zopt.optimizer.param_groups:
-        hyper = {k: v for k, v in group.items() if k != "params"}
         scalars: dict[str, Any] = {}
         for master in group["params"]:
             for n, v in zopt.optimizer.state.get(master, {}).items():
                 if not isinstance(v, torch.Tensor) or v.dim() == 0:
                     scalars.setdefault(n, float(v) if isinstance(v, torch.Tensor) else v)
-        groups.append({"hyper": encode(hyper, tensors, "extra."), "scalars": scalars})
-    return {"type": type(zopt.optimizer).__name__, "groups": groups}
+        mine.append(scalars)
+    if not any(zopt.plan.region_whole):
+        return mine
+    merged: list[dict[str, Any]] = [{} for _ in mine]
+    for ranks in all_gather_json(mine, group=zopt.dp_group):
+        for into, scalars in zip(merged, ranks):
+            for n, v in scalars.items():
+                into.setdefault(n, v)
+    return merged
 
 
 def _place_pieces(
@@ -415,6 +479,11 @@ def _publish_tag(
                 "stride": split["stride"],
                 "parts": [f"tp/{name}/{r}" for r in range(split["parts"])],
             }
+    whole_states: dict[str, list[str]] = {}
+    for report in reports:
+        whole_states.update(report["rank_state"].pop("whole_states"))
+    shared = reports[0]["shared"]
+    shared["optimizer"]["whole_states"] = whole_states
     zopt = engine.optimizer
     manifest = {
         "format": FORMAT,
@@ -434,7 +503,7 @@ def _publish_tag(
         "tensors": tensors,
         "splits": splits,
         "ranks": [r["rank_state"] for r in reports],
-        **reports[0]["shared"],
+        **shared,
     }
     write_manifest(partial, manifest)
     fsync_dir(partial)
@@ -864,6 +933,10 @@ def _load_optimizer(
             }
             numel = zopt.master_numel(k)
             for n in state_names:
+                whole = _whole_state(source, f"optim/{n}/", pieces[k], numel)
+                if whole is not None:
+                    entry[n] = whole.to(master.device)
+                    continue
                 values = torch.zeros(numel, dtype=torch.float32)
                 for name, start, offset, length in pieces[k]:
                     if f"optim/{n}/{name}" in source:
@@ -888,6 +961,17 @@ def _load_optimizer(
             {**{k: v for k, v in group.items() if k != "params"}, **hyper, "params": ids}
         )
     zopt.load_optimizer_state({"state": state, "param_groups": param_groups})
+
+
+def _whole_state(
+    source: TensorSource, prefix: str, pieces: list[tuple[str, int, int, int]], numel: int
+) -> torch.Tensor | None:
+    """A state saved whole in its own shape (see `_whole_states`) for a master that is one whole
+    parameter, or None when the state is per element."""
+    key = f"{prefix}{pieces[0][0]}" if len(pieces) == 1 else None
+    if key is None or key not in source or math.prod(source.shape(key)) == numel:
+        return None
+    return source.read_whole(key).view(source.shape(key))
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:

@@ -601,7 +601,10 @@ def checkpoint_problems(path: Path, manifest: Any, every_block: bool = False) ->
     splits = _check_splits(found, sections.get("splits", {}), tensors)
     parts = {n: names for n, (_, names) in splits.items()}
     frozen = _frozen_names(sections.get("tensors", {}), tensors, parts, ranges)
-    _check_optimizer_states(found, tensors, splits, frozen)
+    whole = sections.get("optimizer", {}).get("whole_states", {})
+    _check_optimizer_states(
+        found, tensors, splits, frozen, whole if isinstance(whole, dict) else {}
+    )
     return found.lines
 
 
@@ -862,10 +865,12 @@ def _check_optimizer_states(
     tensors: dict[str, tuple[tuple[int, ...], str]],
     splits: dict[str, tuple[tuple[int, ...], list[str]]],
     frozen: set[str],
+    whole_states: dict[str, list[str]],
 ) -> None:
     """Each `optim/<state>/<name>` has a `param/<name>` of its shape, and every parameter saved
     as trained (not frozen) has every state: a missing entry was deleted, and must not load as
-    zeros."""
+    zeros. A parameter in `whole_states` (an optimizer stepped on whole tensors, such as
+    Adafactor, keeps states of other shapes) has exactly the states listed for it."""
     shapes = {n: shape for n, (shape, _) in tensors.items() if not n.startswith("tp/")}
     shapes.update((n, shape) for n, (shape, _) in splits.items())
     states = set()
@@ -873,9 +878,13 @@ def _check_optimizer_states(
         if not name.startswith("optim/"):
             continue
         state, _, param = name[len("optim/") :].partition("/")
-        states.add(state)
+        if param not in whole_states:
+            states.add(state)
         if not state or not param:
             found.add(f"tensors[{name!r}]", "is not named optim/<state>/<parameter>")
+        elif param in whole_states and f"param/{param}" in shapes:
+            if state not in whole_states[param]:
+                found.add(f"tensors[{name!r}]", f"is not a state listed for '{param}'")
         elif shapes.get(f"param/{param}") != shape:
             found.add(
                 f"tensors[{name!r}]",
@@ -888,7 +897,7 @@ def _check_optimizer_states(
         if n.startswith("param/") and n[len("param/") :] not in frozen
     )
     for param in trained:
-        for state in sorted(states):
+        for state in sorted(whole_states.get(param, states)):
             if f"optim/{state}/{param}" not in shapes:
                 found.add(
                     f"tensors['optim/{state}/{param}']",
