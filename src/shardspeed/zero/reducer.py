@@ -17,9 +17,11 @@ ZeRO++'s quantized gradients (qgZ, `quantized`) change `reduce`: each rank quant
 part of a bucket to int4 in blocks (`quantize.BLOCK` values and one fp32 scale each), one
 `all_to_all_single` with split sizes carries the parts (a bucket that one rank owns goes to that
 rank only), and each owner dequantizes the N copies of its part and sums them in fp32. For M
-gradient elements a rank sends M * (0.5 + 4 / BLOCK) bytes a step, against M * b for the reduce of
-b-byte gradients; each copy errs by at most half its block's step. As in DeepSpeed 0.19.8 (which
-removed LoCo), no error feedback carries the quantization error into the next step.
+gradient elements a rank sends M * (0.5 + 4 / BLOCK) bytes a step (each part rounded up to whole
+blocks), against M * b for the reduce of b-byte gradients; each copy errs by at most half its
+block's step, and a non-finite gradient makes its whole block non-finite, so overflow checks still
+see it. As in DeepSpeed 0.19.8 (which removed LoCo), no error feedback carries the quantization
+error into the next step.
 
 A bucket's storage is either a view into a full gradient buffer (stages 0 and 1) or, when there is
 none (stages 2 and 3, which never hold the full gradient), a buffer taken from a small pool when
