@@ -693,14 +693,23 @@ def reduce(
 
 
 def all_to_all_single(
-    output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: Any = None,
+    async_op: bool = False,
 ) -> Any:
-    """Split `tensor` into equal chunks along dim 0, the i-th to group rank i; `output` gets the
-    chunks sent here, in rank order."""
+    """Split `tensor` along dim 0, the i-th chunk to group rank i; `output` gets the chunks sent
+    here, in rank order. Chunks are equal unless the split sizes (rows to and from each rank) say
+    otherwise."""
     nbytes = _count("all_to_all", tensor)
+    # Uneven splits may make ranks' inputs differ in size legitimately: the same-call check then
+    # compares the operation only.
     return _run(
         "all_to_all_single", group, async_op, dist.all_to_all_single, output, tensor,
-        nbytes=nbytes, payload=tensor,
+        output_split_sizes, input_split_sizes, nbytes=nbytes,
+        payload=tensor if input_split_sizes is None else None,
     )  # fmt: skip
 
 

@@ -73,6 +73,8 @@ class ReduceOptions:
     # Ranks of the group that split one sequence: their gradients are parts of one sample's, so
     # they are summed, and only the replicas averaged (the group's size over this), as DeepSpeed.
     sequence_parallel: int = 1
+    # ZeRO++ qgZ: the reduce-scatter sends int4 blocks by all-to-all; owners sum them in fp32.
+    quantized_gradients: bool = False
 
 
 class ZeroOptimizer:
@@ -445,6 +447,7 @@ def _build_reducer(plan: ShardPlan, stores: Stores, options: ReduceOptions) -> G
         pre,
         post,
         collective="reduce" if plan.sharded and options.reduce_scatter else "all_reduce",
+        quantized=options.quantized_gradients,
         grads=grads.flat,
         device=grads.buffer().device,
         on_reduced=grads.add_reduced if accumulates else None,

@@ -13,6 +13,16 @@ bucket whose pieces line up with the shards (one per rank, equal, in rank order:
 region) goes out as one; any other as one `reduce` per owner. Who owns which piece is worked out
 once, when the buckets are laid out.
 
+ZeRO++'s quantized gradients (qgZ, `quantized`) change `reduce`: each rank quantizes each owner's
+part of a bucket to int4 in blocks (`quantize.BLOCK` values and one fp32 scale each), one
+`all_to_all_single` with split sizes carries the parts (a bucket that one rank owns goes to that
+rank only), and each owner dequantizes the N copies of its part and sums them in fp32. For M
+gradient elements a rank sends M * (0.5 + 4 / BLOCK) bytes a step (each part rounded up to whole
+blocks), against M * b for the reduce of b-byte gradients; each copy errs by at most half its
+block's step, and a non-finite gradient makes its whole block non-finite, so overflow checks still
+see it. As in DeepSpeed 0.19.8 (which removed LoCo), no error feedback carries the quantization
+error into the next step.
+
 A bucket's storage is either a view into a full gradient buffer (stages 0 and 1) or, when there is
 none (stages 2 and 3, which never hold the full gradient), a buffer taken from a small pool when
 its first gradient arrives and returned once `on_reduced` has taken the rank's own pieces. The pool
@@ -33,15 +43,16 @@ again and, in `finish`, before the step reads the gradients.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from ..comm import all_reduce, reduce, reduce_scatter_tensor
+from ..comm import all_reduce, all_to_all_single, reduce, reduce_scatter_tensor
 from .flat import FlatLayout
+from .quantize import GRADIENT_BITS, dequantize, payload_bytes, quantize
 from .streams import CommStreams
 
 # On gloo (CPU, 2 ranks, the wrapped collectives) one reduce per owner beat reduce_scatter_tensor:
@@ -53,6 +64,18 @@ def _scatters(group: Any) -> bool:
     """Whether a bucket whose pieces line up with the shards goes out as one reduce-scatter rather
     than one reduce per owner: the one place this choice is made, per backend."""
     return dist.get_backend(group) != "gloo" or _GLOO_SCATTERS
+
+
+def _joined(chunk: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The `spans` of `chunk` end to end: one owner's part of a bucket (a view if one piece)."""
+    if len(spans) == 1:
+        return chunk[spans[0][0] : spans[0][1]]
+    return torch.cat([chunk[lo:hi] for lo, hi in spans])
+
+
+def _payload(spans: Sequence[tuple[int, int]]) -> int:
+    """Bytes of the quantized part made of `spans`."""
+    return payload_bytes(sum(hi - lo for lo, hi in spans), GRADIENT_BITS)
 
 
 @dataclass
@@ -73,6 +96,10 @@ class _Bucket:
     kept: tuple[tuple[int, int, int], ...] = ()
     padding: tuple[tuple[int, int], ...] = ()
     scatter: bool = False  # one reduce-scatter instead of `sends`
+    # Quantized: each group rank's part as the (start, end) pieces it owns, in `sends` order; and
+    # while in flight the payload sent and the copies of this rank's part received.
+    parts: tuple[tuple[tuple[int, int], ...], ...] = ()
+    exchange: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -85,6 +112,10 @@ class GradientReducer:
     piece)` receives each averaged piece this rank owns, with its offset in the rank's shard
     (`region_ranks`: this rank's rank among the ranks sharing each region; empty: its rank in
     each region's group).
+
+    `quantized` (ZeRO++ qgZ; changes `collective == "reduce"` only, over groups of more than one):
+    a bucket's parts travel as int4 blocks in one all-to-all and each owner sums the dequantized
+    copies in fp32.
     """
 
     layout: FlatLayout
@@ -95,6 +126,7 @@ class GradientReducer:
     pre_scale: float
     post_scale: float
     collective: Literal["all_reduce", "reduce"] = "all_reduce"
+    quantized: bool = False
     grads: torch.Tensor | None = None  # the full gradient buffer; None: buckets are pooled
     device: torch.device | None = None
     on_reduced: Callable[[int, torch.Tensor], None] | None = None
@@ -193,6 +225,11 @@ class GradientReducer:
         lengths = {b - a for _, _, a, b, _ in pieces}
         in_rank_order = [rank for _, rank, *_ in pieces] == list(range(size))
         bucket.scatter = size > 1 and in_rank_order and len(lengths) == 1 and _scatters(group)
+        if self.quantized and self.collective == "reduce" and size > 1:
+            bucket.parts = tuple(
+                tuple((a - base, b - base) for _, rank, a, b, _ in pieces if rank == owner)
+                for owner in range(size)
+            )
         params = range(bucket.first, bucket.first + bucket.params)
         covered = [
             (self.layout.offsets[i], self.layout.offsets[i] + self.layout.numels[i]) for i in params
@@ -303,7 +340,9 @@ class GradientReducer:
         if bucket.storage is not None:
             self._clear_unwritten(bucket)
         chunk = bucket.buffer
-        if self.comm_dtype != chunk.dtype:
+        # Quantized, the wire carries int4 whatever `comm_dtype` says: quantize the gradients as
+        # they are rather than after a rounding to a 16-bit dtype.
+        if self.comm_dtype != chunk.dtype and not bucket.parts:
             # Allocated on the reduce stream, and held until that stream waited for the collective.
             bucket.staging = chunk.to(self.comm_dtype)
             chunk = bucket.staging
@@ -312,6 +351,8 @@ class GradientReducer:
         group = self._groups[bucket.group]
         if self._sizes[bucket.group] == 1:
             bucket.works = []  # a group of one (experts no other rank holds): nothing to send
+        elif bucket.parts:
+            bucket.works = [self._send_quantized(bucket, chunk, group)]
         elif self.collective == "all_reduce":
             bucket.works = [all_reduce(chunk, group=group, async_op=True)]
         elif bucket.scatter:
@@ -323,11 +364,41 @@ class GradientReducer:
                 for dst, lo, hi in bucket.sends
             ]
 
+    def _send_quantized(self, bucket: _Bucket, chunk: torch.Tensor, group: Any) -> Any:
+        """Quantize each owner's part of `chunk` and start the all-to-all that brings every rank
+        the copies of its own part. Split sizes, not parts padded to the largest: a bucket inside
+        one region belongs to one or two owners, and padding would send every rank a part."""
+        sent = torch.cat(
+            [quantize(_joined(chunk, spans), GRADIENT_BITS) for spans in bucket.parts if spans]
+        )
+        splits = [_payload(spans) for spans in bucket.parts]
+        mine = _payload([(lo, hi) for lo, hi, _ in bucket.kept])
+        received = torch.empty(len(splits) * mine, dtype=torch.uint8, device=chunk.device)
+        # Both held until the all-to-all was waited for (allocated on the reduce stream).
+        bucket.exchange = (sent, received)
+        return all_to_all_single(
+            received, sent, [mine] * len(splits), splits, group=group, async_op=True
+        )
+
+    def _sum_quantized(self, bucket: _Bucket) -> None:
+        """Dequantize the copies of this rank's part, sum them in fp32, post-scale the sum and
+        write it into the kept pieces."""
+        lengths = [hi - lo for lo, hi, _ in bucket.kept]
+        if not lengths:
+            return
+        _, received = bucket.exchange
+        copies = dequantize(received.view(len(bucket.parts), -1), sum(lengths), GRADIENT_BITS)
+        total = copies.sum(dim=0)
+        if self.post_scale != 1.0:
+            total.mul_(self.post_scale)
+        for (lo, hi, _), piece in zip(bucket.kept, total.split(lengths)):
+            bucket.buffer[lo:hi].copy_(piece)
+
     def _complete(self, bucket: _Bucket) -> None:
         with self.streams.on(self.streams.reduce):
             self._receive(bucket)
             reduced = self.streams.reduce.record_event()
-        bucket.works, bucket.staging = [], None
+        bucket.works, bucket.staging, bucket.exchange = [], None, None
         if self.grads is None:
             self._detach(bucket, reduced)
 
@@ -336,10 +407,14 @@ class GradientReducer:
         pieces (on the reduce stream)."""
         for work in bucket.works:
             work.wait()
+        spans: tuple[tuple[int, int, int], ...]
+        if bucket.exchange is not None:
+            self._sum_quantized(bucket)  # the kept pieces hold their post-scaled sums already
+            spans = ()
         # Where an all-reduce fills the full gradient buffer the whole bucket is kept; otherwise
         # only this rank's pieces are (the rest is dropped, so it is neither copied nor scaled).
-        if self.collective == "all_reduce" and self.grads is not None:
-            spans: tuple[tuple[int, int, int], ...] = ((0, bucket.end - bucket.start, 0),)
+        elif self.collective == "all_reduce" and self.grads is not None:
+            spans = ((0, bucket.end - bucket.start, 0),)
         else:
             spans = bucket.kept
         for lo, hi, _ in spans:
