@@ -968,7 +968,8 @@ def _whole_state(
 ) -> torch.Tensor | None:
     """A state saved whole in its own shape (see `_whole_states`) for a master that is one whole
     parameter, or None when the state is per element."""
-    key = f"{prefix}{pieces[0][0]}" if len(pieces) == 1 else None
+    whole = len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][3] == numel
+    key = f"{prefix}{pieces[0][0]}" if whole else None
     if key is None or key not in source or math.prod(source.shape(key)) == numel:
         return None
     return source.read_whole(key).view(source.shape(key))

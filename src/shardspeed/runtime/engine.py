@@ -176,6 +176,9 @@ class ShardSpeedEngine(nn.Module):
         self._surface = {name: part for part in self.components for name in part.surface}
         if config.compile.compiles:
             self.compile()
+        whole = self.optimizer.plan.whole_tensor_summary() if self.optimizer else None
+        if whole is not None and topology.rank == 0:
+            logger.info("ZeRO: %s", whole)
         if config.dump_state and topology.rank == 0:
             logger.info("engine state: %s", _state_summary(self))
 

@@ -196,6 +196,25 @@ class ShardPlan:
                 return name
         return "?"
 
+    def whole_tensor_summary(self) -> str | None:
+        """What stepping whole tensors costs here, for the log (None: every region is flat)."""
+        regions = [r for r, whole in enumerate(self.region_whole) if whole]
+        if not regions:
+            return None
+        groups = sorted({self.region_group[r] for r in regions})
+        first = {r: sum(len(p) for p in self.region_params[:r]) for r in regions}
+        held = sum(self.layout.shard_size(r) for r in regions)
+        numel = sum(
+            sum(self.layout.numels[first[r] : first[r] + len(self.region_params[r])])
+            for r in regions
+        )
+        even = -(-numel // self.layout.shards[regions[0]])
+        return (
+            f"optimizer param group(s) {', '.join(map(str, groups))} are stepped on whole "
+            f"tensors: each rank's shard of them holds {held} elements where an even split "
+            f"would be {even} ({100 * (held - even) / max(even, 1):.1f}% padding)"
+        )
+
     def place_runs(self, start: int, end: int) -> list[tuple[int, int, int]]:
         """[start, end) of the layout cut into runs of regions of one place: (start, end, place)."""
         runs: list[tuple[int, int, int]] = []
