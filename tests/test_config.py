@@ -256,6 +256,10 @@ BAD_CONFIGS = [
         "Lamb needs whole tensors",
     ),
     (
+        {"zero_optimization": {"stage": 2}, "optimizer": {"type": "muon"}},
+        "Muon needs whole tensors for Newton-Schulz",
+    ),
+    (
         {
             "zero_optimization": {
                 "stage": 1,
@@ -579,7 +583,7 @@ RULE_TRIGGERS: dict[str, tuple[dict, RunFacts | None]] = {
         {"compile": {"enabled": True}, "zero_optimization": {"stage": 3}},
         None,
     ),
-    "Lamb on whole tensors": (
+    "Lamb and Muon on whole tensors": (
         {"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 1}},
         None,
     ),

@@ -74,9 +74,25 @@ def _sequence_refused(with_: str, instead: str) -> Message:
     )
 
 
-def _is_lamb(config: ShardSpeedConfig) -> bool:
+# Config optimizers that need whole tensors (until ZeRO places them whole), with why.
+_WHOLE_TENSORS = {
+    "Lamb": "its per-tensor trust ratio",
+    "Muon": "Newton-Schulz on the hidden matrices",
+}
+
+
+def _whole_tensor_optimizer(config: ShardSpeedConfig) -> str | None:
     optimizer = config.optimizer
-    return optimizer is not None and canonical_optimizer_name(optimizer.type) == "Lamb"
+    name = canonical_optimizer_name(optimizer.type) if optimizer is not None else None
+    return name if name in _WHOLE_TENSORS else None
+
+
+def _whole_tensors_refused(config: ShardSpeedConfig) -> str:
+    name = _whole_tensor_optimizer(config)
+    return (
+        f"'optimizer.type' {name} needs whole tensors for {_WHOLE_TENSORS[name or '']}: it runs "
+        f"only with 'zero_optimization.stage' 0 (got stage {_stage(config)})"
+    )
 
 
 RULES: tuple[Rule, ...] = (
@@ -127,13 +143,10 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "Lamb on whole tensors",
+        "Lamb and Muon on whole tensors",
         "optimizer.type",
-        lambda config, facts: _is_lamb(config) and _stage(config) >= 1,
-        lambda config, facts: (
-            "'optimizer.type' Lamb needs whole tensors for its per-tensor trust ratio: it "
-            f"runs only with 'zero_optimization.stage' 0 (got stage {_stage(config)})"
-        ),
+        lambda config, facts: _whole_tensor_optimizer(config) is not None and _stage(config) >= 1,
+        lambda config, facts: _whole_tensors_refused(config),
     ),
     Rule(
         "stage 3 without a pipeline",
