@@ -256,6 +256,10 @@ BAD_CONFIGS = [
         "Lamb needs whole tensors",
     ),
     (
+        {"zero_optimization": {"stage": 2}, "optimizer": {"type": "muon"}},
+        "Muon needs whole tensors for Newton-Schulz",
+    ),
+    (
         {
             "zero_optimization": {
                 "stage": 1,

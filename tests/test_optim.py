@@ -56,9 +56,9 @@ def test_betas_from_json_list_and_defaults():
 
 
 def test_every_model_hints_gradient_clipping_for_max_grad_norm():
-    classic = {"Adam", "AdamW", "Lamb", "SGD", "Adagrad", "Lion"}
-    # 1-bit and 0/1 Adam take DeepSpeed's max_grad_norm as a parameter of their own.
-    assert set(OPTIMIZER_PARAMS) == classic | {"OneBitAdam", "ZeroOneAdam"}
+    classic = {"Adam", "AdamW", "Lamb", "SGD", "Adagrad", "Lion", "Muon"}
+    # The 1-bit optimizers take DeepSpeed's max_grad_norm as a parameter of their own.
+    assert set(OPTIMIZER_PARAMS) == classic | {"OneBitAdam", "ZeroOneAdam", "OneBitLamb"}
     for model in (OPTIMIZER_PARAMS[name] for name in classic):
         assert "gradient_clipping" in model.key_hints["max_grad_norm"]
         assert error_type(model, {"max_grad_norm": 1.0}) == "extra_forbidden"

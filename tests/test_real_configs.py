@@ -39,9 +39,6 @@ REFUSED = {
     "deepspeedexamples/bing_bert_deepspeed_bsz64k_lamb_config_seq128.json": (
         "'sparse_attention' is removed in DeepSpeed 0.19.8"
     ),
-    "deepspeedexamples/bing_bert_deepspeed_bsz64k_onebitlamb_config_seq128_nccl.json": (
-        "1-bit LAMB (OneBitLamb) is not built"
-    ),
     # Written for 4 ranks; tests/test_sequence_alst.py trains it at 2 with Ulysses.
     "llamafactory/ds_z3_alst_config.json": "sequence_parallel_size 4 must divide the world size",
     # DeepSpeed 0.19.8 refuses it too, with the same advice.

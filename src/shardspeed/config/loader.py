@@ -442,16 +442,7 @@ def _check_params(config: ShardSpeedConfig) -> list[str]:
     return problems
 
 
-# Optimizer types real configs name that shardspeed does not have, with what to say.
-MISSING_OPTIMIZERS = {
-    "onebitlamb": "1-bit LAMB (OneBitLamb) is not built (DeepSpeed 0.19.8 removed it too): use "
-    "Lamb at ZeRO stage 0, or OneBitAdam for compressed communication",
-}
-
-
 def _unknown_type(section: str, name: str, known: Mapping[str, Any]) -> str:
-    if section == "optimizer" and name.lower() in MISSING_OPTIMIZERS:
-        return f"'optimizer.type' {name!r}: {MISSING_OPTIMIZERS[name.lower()]}"
     by_lower = {k.lower(): k for k in known}
     hint = closest(name, known) or by_lower.get(closest(name.lower(), by_lower) or "")
     suggestion = f" (did you mean '{hint}'?)" if hint else ""

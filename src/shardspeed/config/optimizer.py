@@ -20,7 +20,9 @@ __all__ = [
     "AdamParams",
     "AdamWParams",
     "LambParams",
+    "MuonParams",
     "OneBitAdamParams",
+    "OneBitLambParams",
     "SGDParams",
     "ZeroOneAdamParams",
     "canonical_optimizer_name",
@@ -221,8 +223,8 @@ class LionParams(StrictModel):
     key_hints: ClassVar[dict[str, str]] = _MAX_GRAD_NORM_HINT
 
 
-class _CompressedAdamParams(StrictModel):
-    """Keys 1-bit Adam and 0/1 Adam share (DeepSpeed's signatures; `max_grad_norm` is applied
+class _CompressedParams(StrictModel):
+    """Keys the 1-bit optimizers share (DeepSpeed's signatures; `max_grad_norm` is applied
     here where DeepSpeed ignores it; see docs/compression.md)."""
 
     lr: NonNegFloat = 1e-3
@@ -238,11 +240,11 @@ class _CompressedAdamParams(StrictModel):
     comm_backend_name: Literal["nccl", "gloo"] = "nccl"
 
     not_supported_until: ClassVar[dict[str, str]] = {
-        "amsgrad": "the frozen variance of 1-bit and 0/1 Adam has no AMSGrad variant"
+        "amsgrad": "the frozen variance of the 1-bit optimizers has no AMSGrad variant"
     }
 
 
-class OneBitAdamParams(_CompressedAdamParams):
+class OneBitAdamParams(_CompressedParams):
     """`OneBitAdam` params: Adam until `freeze_step`, then the variance frozen and the momentum
     averaged by 1-bit compressed all-reduce with error feedback."""
 
@@ -250,7 +252,7 @@ class OneBitAdamParams(_CompressedAdamParams):
     amsgrad: bool = False
 
 
-class ZeroOneAdamParams(_CompressedAdamParams):
+class ZeroOneAdamParams(_CompressedParams):
     """`ZeroOneAdam` params: 0/1 Adam's variance-freezing and local-step schedule."""
 
     var_freeze_step: Annotated[int, Field(ge=1)] = 100000
@@ -258,6 +260,70 @@ class ZeroOneAdamParams(_CompressedAdamParams):
     local_step_scaler: Annotated[int, Field(ge=1)] = 32678
     local_step_clipper: Annotated[int, Field(ge=1)] = 16
     amsgrad: bool = False
+
+
+class OneBitLambParams(_CompressedParams):
+    """`OneBitLamb` params (DeepSpeed 0.19.7's): LAMB until `freeze_step`, then the variance
+    frozen, the momentum averaged in 1 bit, and the trust ratio frozen (an average over the
+    warm-up, `coeff_beta`) times a factor bounded by `factor_min`, `factor_max` and
+    `factor_threshold`."""
+
+    freeze_step: Annotated[int, Field(ge=1)] = 100000
+    max_coeff: PosFloat = 10.0
+    min_coeff: NonNegFloat = 0.01
+    coeff_beta: Beta = 0.9
+    factor_max: PosFloat = 4.0
+    factor_min: PosFloat = 0.5
+    factor_threshold: NonNegFloat = 0.1
+    amsgrad: bool = False
+
+    @model_validator(mode="after")
+    def _bounds_order(self) -> OneBitLambParams:
+        for low, high in (("min_coeff", "max_coeff"), ("factor_min", "factor_max")):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(
+                    f"{low} ({getattr(self, low)}) must not exceed {high} ({getattr(self, high)})"
+                )
+        return self
+
+
+class MuonParams(StrictModel):
+    """`Muon` params (DeepSpeed 0.19.8's keys): Muon for hidden matrices, AdamW for the rest.
+
+    `lr`, `weight_decay` reach both halves; `momentum`, `ns_method` the Muon half; `betas`, `eps`
+    the AdamW half. `muon_lr` / `adam_lr` override `lr` for one half. Without any of them a half
+    takes its own default lr: 0.02 for Muon, 3e-4 for AdamW.
+    """
+
+    lr: NonNegFloat | None = None
+    muon_lr: NonNegFloat | None = None
+    adam_lr: NonNegFloat | None = None
+    momentum: Beta = 0.95
+    weight_decay: NonNegFloat = 0.0
+    ns_method: Literal["gram", "standard"] = "gram"
+    betas: Betas = (0.9, 0.95)
+    eps: PosFloat = 1e-10
+    adam_w_mode: bool = True
+    torch_adam: bool = False
+    foreach: bool | None = None
+    fp32_optimizer_states: bool = True
+    per_head_muon: bool = False
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "fp32_optimizer_states": "optimizer states follow the dtype of the master weights",
+        "per_head_muon": "per-head Newton-Schulz for attention projections is not built; "
+        "each matrix is orthogonalised whole",
+    }
+    tuning_notes: ClassVar[dict[str, str]] = {
+        "torch_adam": "the AdamW half always runs shardspeed's own update (the same arithmetic)",
+        "foreach": "the AdamW half always runs as foreach kernels",
+    }
+    key_hints: ClassVar[dict[str, str]] = _MAX_GRAD_NORM_HINT
+
+    def half_settings(self) -> dict[str, Any]:
+        """The values `muon_param_groups` reads: every key that is set (no lr: each half's own)."""
+        keys = ("lr", "muon_lr", "adam_lr", "momentum", "weight_decay", "ns_method", "betas", "eps")
+        return {key: getattr(self, key) for key in keys if getattr(self, key) is not None}
 
 
 OPTIMIZER_PARAMS: dict[str, type[StrictModel]] = {
@@ -269,13 +335,25 @@ OPTIMIZER_PARAMS: dict[str, type[StrictModel]] = {
     "SGD": SGDParams,
     "OneBitAdam": OneBitAdamParams,
     "ZeroOneAdam": ZeroOneAdamParams,
+    "OneBitLamb": OneBitLambParams,
+    "Muon": MuonParams,
 }
 
 # DeepSpeed lower-cases the type before comparing it with its native optimizer names; any other
 # type is looked up in torch.optim by its exact, case-sensitive name.
 _NATIVE = {
     name.lower(): name
-    for name in ("Adam", "AdamW", "Lamb", "Adagrad", "Lion", "OneBitAdam", "ZeroOneAdam")
+    for name in (
+        "Adam",
+        "AdamW",
+        "Lamb",
+        "Adagrad",
+        "Lion",
+        "OneBitAdam",
+        "ZeroOneAdam",
+        "OneBitLamb",
+        "Muon",
+    )
 }
 _TORCH_NAMED = frozenset({"SGD"})
 

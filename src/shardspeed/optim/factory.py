@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from shardspeed.config.base import StrictModel
-from shardspeed.config.optimizer import OPTIMIZER_PARAMS, AdamParams
+from shardspeed.config.optimizer import OPTIMIZER_PARAMS, AdamParams, MuonParams
 from shardspeed.config.scheduler import SCHEDULER_PARAMS
 from shardspeed.optim.lamb import Lamb
 from shardspeed.optim.lion import Lion
@@ -19,7 +19,8 @@ from shardspeed.optim.lr_schedules import (
     WarmupDecayLR,
     WarmupLR,
 )
-from shardspeed.optim.onebit import OneBitAdam, ZeroOneAdam
+from shardspeed.optim.muon import Muon, muon_param_groups, tag_muon_parameters
+from shardspeed.optim.onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 
 __all__ = ["build_optimizer", "build_scheduler"]
 
@@ -92,19 +93,25 @@ def _adam(params: AdamParams, param_list: list[Any]) -> torch.optim.Optimizer:
     return optimizer_class(param_list, **kwargs)
 
 
-_COMPRESSED = {"OneBitAdam": OneBitAdam, "ZeroOneAdam": ZeroOneAdam}
+_COMPRESSED = {"OneBitAdam": OneBitAdam, "ZeroOneAdam": ZeroOneAdam, "OneBitLamb": OneBitLamb}
 
 
 def build_optimizer(
-    name: str, params: StrictModel, model_parameters: Iterable[Any]
+    name: str,
+    params: StrictModel,
+    model_parameters: Iterable[Any],
+    module: torch.nn.Module | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer for canonical `name` (see `canonical_optimizer_name`) with validated `params`.
 
     `Adam`/`AdamW` become `torch.optim.Adam` (L2 decay, only for type Adam with `adam_w_mode: false`)
     or `torch.optim.AdamW`, fused where torch supports it; `torch_adam` keeps DeepSpeed's meaning for
     the keys and defaults it allows, and both paths run torch's implementation. `Lamb` is shardspeed's
-    FusedLamb-equivalent, `Lion` its FusedLion's; `SGD` and `Adagrad` are torch's own; `OneBitAdam` and `ZeroOneAdam`
-    communicate their own (compressed) momentum after their warm-up (optim/onebit.py).
+    FusedLamb-equivalent, `Lion` its FusedLion's; `SGD` and `Adagrad` are torch's own;
+    `OneBitAdam`, `ZeroOneAdam` and `OneBitLamb` communicate their own (compressed) momentum after
+    their warm-up (optim/onebit.py). `Muon` splits every param group into a Muon and an AdamW
+    half by each parameter's `use_muon` mark, which it first sets on `module`'s parameters (as
+    DeepSpeed's `initialize` does) when `module` is given.
     """
     _check_params("optimizer", name, params, OPTIMIZER_PARAMS)
     param_list = _materialise(model_parameters)
@@ -114,6 +121,11 @@ def build_optimizer(
         return Lamb(param_list, **params.model_dump(exclude={"amsgrad"}))
     if name == "Lion":
         return Lion(param_list, **params.model_dump())
+    if isinstance(params, MuonParams):
+        if module is not None:
+            tag_muon_parameters(module)
+        groups = muon_param_groups(param_list, params.half_settings())
+        return Muon(groups, adam_w_mode=params.adam_w_mode)
     if name in _COMPRESSED:
         return _COMPRESSED[name](param_list, **params.model_dump())
     optimizer_class = torch.optim.SGD if name == "SGD" else torch.optim.Adagrad

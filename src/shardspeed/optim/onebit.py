@@ -1,4 +1,4 @@
-"""1-bit Adam and 0/1 Adam: Adam variants that average momenta through 1-bit messages.
+"""1-bit Adam, 0/1 Adam and 1-bit LAMB: optimizers that average momenta through 1-bit messages.
 
 Both start as Adam on averaged gradients and then stop the engine from averaging gradients: each
 rank hands the optimizer its local gradient, and the optimizer exchanges what it needs through
@@ -18,7 +18,7 @@ gradient, or none) in the same order: the compressed exchanges are collectives.
 Where these differ from DeepSpeed 0.19.8's, see docs/compression.md: bias correction is applied when
 asked for (DeepSpeed ignores the flag), the first step moves the parameters (DeepSpeed's first
 call only allocates buffers), `max_grad_norm` clips, and ZeroOneAdam's ranks agree bit for bit
-after each synchronisation.
+after each synchronisation. OneBitLamb's differences are listed there too.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import torch
 
 from ..comm.comm import get_world_size
 from ..comm.compressed import compressed_allreduce, error_buffers
+from .lamb import lamb_step_size, lamb_update
 
-__all__ = ["CompressedOptimizer", "OneBitAdam", "ZeroOneAdam"]
+__all__ = ["CompressedOptimizer", "OneBitAdam", "OneBitLamb", "ZeroOneAdam"]
 
 # torch.distributed carries the 1-bit messages; these are DeepSpeed's names for it.
 _BACKENDS = ("nccl", "gloo")
@@ -420,6 +421,201 @@ class ZeroOneAdam(CompressedOptimizer):
             p.copy_(anchor).addcdiv_(moved, denom)
             anchor.copy_(p)
             state["synced_lr_sum"] = 0.0
+
+
+class OneBitLamb(CompressedOptimizer):
+    """1-bit LAMB: LAMB for `freeze_step` steps, then frozen variance, 1-bit momentum and a
+    frozen, rescaled trust ratio.
+
+    Steps 1 to `freeze_step` are shardspeed's `Lamb` on averaged gradients; each tensor's trust
+    ratio, when not exactly 1, feeds an average `lamb_coeff_freeze` (weight `coeff_beta`). From
+    step `freeze_step` + 1 each rank's momentum is updated from its own gradient and averaged in
+    1 bit, with every tensor's momentum first scaled to the same RMS (`scaling_coeff`, fixed at
+    the first compressed step) so that one sign scale suits the whole flat group. The update
+    m / (sqrt(v) + eps) (+ weight_decay * p) divides by the variance frozen at `freeze_step`, and
+    its trust ratio is `lamb_coeff_freeze` times a factor: the largest ratio of the frozen
+    denominator to one built from a fresh variance (updated with the gradients the averaged
+    momenta imply), pulled toward 1 by the weight decay's share of the update, bounded by
+    `factor_min` / `factor_max` and moved at most `factor_threshold` (relative) per step.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+    ) -> None:
+        problems = [
+            (freeze_step >= 1, f"freeze_step must be >= 1, got {freeze_step}"),
+            (
+                0 <= min_coeff <= max_coeff,
+                f"need 0 <= min_coeff <= max_coeff, got {min_coeff}, {max_coeff}",
+            ),
+            (0 <= coeff_beta < 1, f"coeff_beta must lie in [0, 1), got {coeff_beta}"),
+            (
+                0 < factor_min <= factor_max,
+                f"need 0 < factor_min <= factor_max, got {factor_min}, {factor_max}",
+            ),
+            (factor_threshold >= 0, f"factor_threshold must be >= 0, got {factor_threshold}"),
+        ]
+        for ok, message in problems:
+            if not ok:
+                raise ValueError(f"OneBitLamb: {message}")
+        self.freeze_step = freeze_step
+        self.coeff_beta = coeff_beta
+        self.factor_max = factor_max
+        self.factor_min = factor_min
+        self.factor_threshold = factor_threshold
+        super().__init__(
+            params,
+            amsgrad=amsgrad,
+            cuda_aware=cuda_aware,
+            comm_backend_name=comm_backend_name,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            eps_inside_sqrt=eps_inside_sqrt,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+        )
+        self.lamb_coeffs: list[torch.Tensor] = []
+
+    def communicates_gradients(self) -> bool:
+        return self._steps >= self.freeze_step
+
+    def needs_whole_tensors(self, group: dict[str, Any]) -> bool:
+        """True: trust ratios and momentum scales are per whole tensor."""
+        return True
+
+    def get_lamb_coeffs(self) -> list[float]:
+        """The trust ratio applied to each updated tensor in the last step, in update order."""
+        return [float(coeff) for coeff in self.lamb_coeffs]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One update: LAMB on averaged gradients in the warm-up, 1-bit momentum after it."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        compressing = self.communicates_gradients()
+        if compressing:
+            self._scale_momenta_once()
+        self.lamb_coeffs = []
+        for index, group in enumerate(self.param_groups):
+            pairs = self._gradients(group)
+            for p, _ in pairs:
+                state = self.state[p]
+                if not state:
+                    state.update(
+                        step=0,
+                        exp_avg=torch.zeros_like(p),
+                        exp_avg_sq=torch.zeros_like(p),
+                        # The warm-up's average trust ratio, and the last compressed step's
+                        # factor on it (0-dim tensors: no host syncs).
+                        lamb_coeff_freeze=torch.zeros((), device=p.device),
+                        last_factor=torch.ones((), device=p.device),
+                    )
+                state["step"] += 1
+                self._steps = max(self._steps, state["step"])
+            if compressing and pairs:
+                self._compressed_step(index, group, pairs)
+            elif pairs:
+                self._warm_up_step(group, pairs)
+        return loss
+
+    def _warm_up_step(
+        self, group: dict[str, Any], pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        states = [self.state[p] for p, _ in pairs]
+        sizes = [lamb_step_size(group, s["step"], s["step"]) for s in states]
+        coeffs = lamb_update(group, [p for p, _ in pairs], [g for _, g in pairs], states, sizes)
+        for state, coeff in zip(states, coeffs):
+            frozen = state["lamb_coeff_freeze"]
+            # As DeepSpeed: a ratio of exactly 1 (a zero norm, or bounds that force it) is not
+            # averaged in.
+            averaged = self.coeff_beta * frozen + (1.0 - self.coeff_beta) * coeff
+            frozen.copy_(torch.where(coeff != 1.0, averaged, frozen))
+        self.lamb_coeffs.extend(coeffs)
+
+    def _scale_momenta_once(self) -> None:
+        """At the first compressed step: each tensor's factor to the mean RMS of all momenta."""
+        states = [self.state[p] for g in self.param_groups for p in g["params"]]
+        states = [s for s in states if "exp_avg" in s]
+        if not states or "scaling_coeff" in states[0]:
+            return
+        rms = torch.stack(
+            [
+                torch.linalg.vector_norm(s["exp_avg"]) / math.sqrt(s["exp_avg"].numel())
+                for s in states
+            ]
+        )
+        coeffs = torch.where(rms > 0, rms.mean() / rms, torch.ones_like(rms))
+        for state, coeff in zip(states, coeffs.unbind()):
+            state["scaling_coeff"] = coeff
+
+    def _compressed_step(
+        self, index: int, group: dict[str, Any], pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        beta1, beta2 = group["betas"]
+        states = [self.state[p] for p, _ in pairs]
+        previous = [s["exp_avg"].clone() for s in states]
+        for (_, grad), state in zip(pairs, states):
+            state["exp_avg"].mul_(beta1).add_(grad, alpha=1.0 - beta1)
+            state["exp_avg"].mul_(state["scaling_coeff"])
+            # The variance stopped at freeze_step; this copy goes on from the averaged momenta.
+            state.setdefault("exp_avg_sq_fresh", state["exp_avg_sq"].clone())
+        self._average_group(index, [s["exp_avg"] for s in states], group)
+        for (p, _), state, last in zip(pairs, states, previous):
+            m = state["exp_avg"].div_(state["scaling_coeff"])
+            implied = (m - beta1 * last) / (1.0 - beta1)
+            fresh = state["exp_avg_sq_fresh"]
+            fresh.mul_(beta2).addcmul_(implied, implied, value=1.0 - beta2)
+            denom = _lamb_denominator(state["exp_avg_sq"], group)
+            update = m / denom
+            factor = (denom / _lamb_denominator(fresh, group)).max()
+            if group["weight_decay"] > 0:
+                plain = torch.linalg.vector_norm(update)
+                update.add_(p, alpha=group["weight_decay"])
+                share = (plain / torch.linalg.vector_norm(update)).clamp(max=1.0)
+                factor = factor * share + (1.0 - share)
+            last_factor = state["last_factor"]
+            factor = factor.clamp(self.factor_min, self.factor_max)
+            factor = torch.minimum(
+                torch.maximum(factor, last_factor * (1.0 - self.factor_threshold)),
+                last_factor * (1.0 + self.factor_threshold),
+            )
+            last_factor.copy_(factor)
+            coeff = state["lamb_coeff_freeze"] * factor
+            step = int(state["step"])
+            size = lamb_step_size(group, step, min(step, self.freeze_step))
+            p.sub_(update.mul_(coeff * size))
+            self.lamb_coeffs.append(coeff)
+
+
+def _lamb_denominator(v: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """sqrt(v) + eps, or sqrt(v + eps) with eps_inside_sqrt (raw moments, as LAMB's)."""
+    if group["eps_inside_sqrt"]:
+        return (v + group["eps"]).sqrt_()
+    return v.sqrt().add_(group["eps"])
 
 
 def _check_hyperparameters(name: str, defaults: dict[str, Any]) -> None:

@@ -629,7 +629,8 @@ def _client_optimizer(
     if config.optimizer is None:
         return None
     name, params_model = optimizer_params(config)
-    return build_optimizer(name, params_model, params)
+    # The module too: Muon marks its parameters (which get Muon, which AdamW) from it.
+    return build_optimizer(name, params_model, params, module)
 
 
 def _client_scheduler(
