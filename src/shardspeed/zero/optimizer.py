@@ -72,6 +72,8 @@ class ReduceOptions:
     # Ranks of the group that split one sequence: their gradients are parts of one sample's, so
     # they are summed, and only the replicas averaged (the group's size over this), as DeepSpeed.
     sequence_parallel: int = 1
+    # ZeRO++'s qgZ (`zero_quantized_gradients`): gradients travel block-quantized.
+    quantized_gradients: bool = False
 
 
 class ZeroOptimizer:
