@@ -21,6 +21,13 @@ recorded order stops prefetching and keeping, and the next pass records again.
 On CUDA a gather runs on the gather stream of `streams.CommStreams` (the shard's copy to the device
 and the all-gather), so a prefetch overlaps the current unit's compute; the compute stream waits for
 it only when the unit is used.
+
+ZeRO++ (docs/zeropp.md) changes the gathers the hooks make, never the others: with qwZ each
+rank's shard travels int8 block-quantized and every rank computes with the dequantized values;
+with hpZ a rank keeps 1/k of each unit after its forward gather, and the unit's later hook
+gathers assemble it from those pieces within a node of k ranks until the shards change. Explicit
+gathers (`GatheredParameters`, saving) are exact: a unit holding dequantized values is gathered
+again.
 """
 
 from __future__ import annotations
@@ -90,11 +97,18 @@ class Stage3Options:
     leaf_name_suffixes: tuple[str, ...] = ()
     # Entries the user wrote (not DeepSpeed's defaults): one that matches nothing is an error.
     leaf_required: tuple[str, ...] = ()
-    # ZeRO++: training gathers travel int8 block-quantized (qwZ); with hpz_partition_size k > 1,
-    # backward gathers run within `hpz_group`, k consecutive ranks of the ZeRO group (hpZ).
+    # ZeRO++: the hooks' gathers travel int8 block-quantized (qwZ); with hpz_partition_size
+    # k > 1, a unit's hook gathers after its forward run within `hpz_group`, k consecutive ranks
+    # of the ZeRO group (hpZ).
     quantized_weights: bool = False
     hpz_partition_size: int = 1
     hpz_group: Any = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.hpz_partition_size > 1 and self.hpz_group is None:
+            raise ValueError(
+                "hpz_partition_size above 1 needs the node's group (Topology.hpz_group)"
+            )
 
     @classmethod
     def from_config(cls, zero: Any, hpz_group: Any = None) -> Stage3Options:
