@@ -621,6 +621,22 @@ RULE_TRIGGERS: dict[str, tuple[dict, RunFacts | None]] = {
         {"sequence_parallel_size": 2, "hybrid_engine": {"enabled": True}},
         None,
     ),
+    "zero_quantized_weights only at stage 3": (
+        {"zero_optimization": {"stage": 2, "zero_quantized_weights": True}},
+        None,
+    ),
+    "zero_quantized_gradients only at stage 3": (
+        {"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}},
+        None,
+    ),
+    "zero_hpz_partition_size only at stage 3": (
+        {"zero_optimization": {"zero_hpz_partition_size": 2}},
+        None,
+    ),
+    "hpZ nodes divide the ZeRO group": (
+        {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}},
+        RunFacts(zero_group_size=6),
+    ),
     "compressed optimizers on plain data parallelism": (
         {"zero_optimization": {"stage": 1}},
         RunFacts(

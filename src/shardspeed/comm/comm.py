@@ -39,8 +39,10 @@ ReduceOp = dist.ReduceOp
 # torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_bytes: Counter[str] = Counter()
-_calls: Counter[str] = Counter()
+# Calls and payload bytes by (collective, size of the group it ran in): the group size tells a
+# gather within a few ranks (ZeRO++'s hpZ node) from one across the whole data-parallel group.
+_bytes: Counter[tuple[str, int]] = Counter()
+_calls: Counter[tuple[str, int]] = Counter()
 # Collectives this process entered through the wrappers, in any group (the last one's number).
 _seq = 0
 
@@ -324,21 +326,39 @@ def barrier(group: Any = None) -> None:
         _run("barrier", group, False, dist.barrier)
 
 
-def _count(name: str, tensor: torch.Tensor) -> int:
-    """Add one call of `tensor`'s payload to `name`; return the payload bytes (for the logger)."""
+def _group_size(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _count(name: str, tensor: torch.Tensor, group: Any = None) -> int:
+    """Add one call of `tensor`'s payload to `name` in `group`; return the payload bytes (for the
+    logger)."""
     nbytes = tensor.numel() * tensor.element_size()
-    _bytes[name] += nbytes
-    _calls[name] += 1
+    _add(name, group, nbytes)
     return nbytes
 
 
-def comm_volume() -> dict[str, dict[str, int]]:
-    """Per collective, the calls this process made and their payload bytes since the last reset.
+def _add(name: str, group: Any, nbytes: int) -> None:
+    key = (name, _group_size(group))
+    _bytes[key] += nbytes
+    _calls[key] += 1
+
+
+def comm_volume(by_group: bool = False) -> dict[Any, dict[str, int]]:
+    """Per collective, the calls this process made and their payload bytes since the last reset;
+    `by_group`: keyed by (collective, size of the group it ran in) instead.
 
     Payload is the size of the full tensor a collective acts on (a reduce-scatter's input, an
     all-gather's output), the measure the ZeRO paper counts in; wire traffic depends on the algorithm.
     """
-    return {name: {"calls": _calls[name], "bytes": _bytes[name]} for name in sorted(_calls)}
+    if by_group:
+        return {key: {"calls": _calls[key], "bytes": _bytes[key]} for key in sorted(_calls)}
+    total: dict[str, dict[str, int]] = {}
+    for key, calls in sorted(_calls.items()):
+        entry = total.setdefault(key[0], {"calls": 0, "bytes": 0})
+        entry["calls"] += calls
+        entry["bytes"] += _bytes[key]
+    return total
 
 
 def reset_comm_volume() -> None:
@@ -627,7 +647,7 @@ def _peer_lines(
 def all_reduce(
     tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> Any:
-    nbytes = _count("all_reduce", tensor)
+    nbytes = _count("all_reduce", tensor, group)
     return _run(
         "all_reduce", group, async_op, dist.all_reduce, tensor, op=op, nbytes=nbytes, payload=tensor
     )
@@ -640,7 +660,7 @@ def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: An
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
-    nbytes = _count("broadcast", tensor)
+    nbytes = _count("broadcast", tensor, group)
     return _run(
         "broadcast", group, async_op, dist.broadcast, tensor, src=src, nbytes=nbytes,
         payload=tensor, root=src,
@@ -650,7 +670,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
 def all_gather_into_tensor(
     output: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> Any:
-    nbytes = _count("all_gather", output)
+    nbytes = _count("all_gather", output, group)
     return _run(
         "all_gather_into_tensor", group, async_op, _all_gather_single, output, tensor,
         nbytes=nbytes, payload=tensor,
@@ -664,7 +684,7 @@ def reduce_scatter_tensor(
     group: Any = None,
     async_op: bool = False,
 ) -> Any:
-    nbytes = _count("reduce_scatter", tensor)
+    nbytes = _count("reduce_scatter", tensor, group)
     return _run(
         "reduce_scatter_tensor",
         group,
@@ -685,7 +705,7 @@ def reduce(
     group: Any = None,
     async_op: bool = False,
 ) -> Any:
-    nbytes = _count("reduce", tensor)
+    nbytes = _count("reduce", tensor, group)
     return _run(
         "reduce", group, async_op, dist.reduce, tensor, dst=dst, op=op, nbytes=nbytes,
         payload=tensor, root=dst,
@@ -703,7 +723,7 @@ def all_to_all_single(
     """Split `tensor` along dim 0, the i-th chunk to group rank i; `output` gets the chunks sent
     here, in rank order. Chunks are equal unless the split sizes (rows to and from each rank) say
     otherwise."""
-    nbytes = _count("all_to_all", tensor)
+    nbytes = _count("all_to_all", tensor, group)
     # Uneven splits may make ranks' inputs differ in size legitimately: the same-call check then
     # compares the operation only.
     return _run(
@@ -722,7 +742,7 @@ def batch_isend_irecv(ops: list[dist.P2POp]) -> list[Any]:
     seq = _seq
     for op in ops:
         if op.op is dist.isend:
-            _count("send", op.tensor)
+            _count("send", op.tensor, op.group)
     group = ops[0].group if ops else None
     try:
         works = dist.batch_isend_irecv(ops)
@@ -735,8 +755,7 @@ def all_gather(
     outputs: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> Any:
     nbytes = sum(output.numel() * output.element_size() for output in outputs)
-    _bytes["all_gather"] += nbytes
-    _calls["all_gather"] += 1
+    _add("all_gather", group, nbytes)
     return _run(
         "all_gather", group, async_op, dist.all_gather, outputs, tensor, nbytes=nbytes,
         payload=tensor,

@@ -300,6 +300,24 @@ class Topology:
         group = self._requested_group(("runs", size), lambda: _runs(self._data_lists(), size))
         return group, self.dp_rank % size
 
+    def hpz_group(self, size: int) -> tuple[Any, int]:
+        """(group, this rank's index in it) of `size` consecutive ranks of the sequence-data
+        group, which ZeRO shards over: a "node" of ZeRO++'s hierarchical partitioning
+        (`zero_hpz_partition_size`). Collective the first time for each size."""
+        world = self.get_sequence_data_parallel_world_size()
+        if size < 1 or world % size:
+            raise ValueError(
+                f"'zero_optimization.zero_hpz_partition_size' {size} must divide the "
+                f"data-parallel size {world}"
+            )
+        if self.sp_world_size == 1:
+            return self.data_parallel_runs(size)
+        if self.mesh is None:
+            raise ValueError("hierarchical partitioning needs the groups laid out by shardspeed")
+        lists = _varying(self.mesh, ("data", "sequence"))
+        group = self._requested_group(("hpz", size), lambda: _runs(lists, size))
+        return group, self.get_sequence_data_parallel_rank() % size
+
     def expert_groups(self, ep_size: int, data_before_expert: bool = False) -> ExpertGroups:
         """The expert and expert-data groups for `ep_size` (collective the first time for each
         size: every rank makes every group, in order). `data_before_expert`: DeepSpeed's

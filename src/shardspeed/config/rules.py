@@ -28,6 +28,7 @@ class RunFacts:
     moe_ep_sizes: tuple[int, ...] | None = None  # ep_size of every MoE layer of the model
     compressed_optimizer: str | None = None  # the class of an optimizer compressing its exchange
     compiling: bool | None = None  # engine.compile() was called
+    zero_group_size: int | None = None  # ranks ZeRO shards over (data x sequence parallel)
 
 
 Check = Callable[[ShardSpeedConfig, RunFacts], bool]
@@ -73,7 +74,41 @@ def _sequence_refused(with_: str, instead: str) -> Message:
     )
 
 
+def _zero_plus_plus_below_stage_3(key: str, default: object) -> Rule:
+    """DeepSpeed applies ZeRO++'s `key` only at stage 3 (its parameter gathers): below, refuse it
+    rather than accept a setting that changes nothing."""
+    return Rule(
+        f"{key} only at stage 3",
+        f"zero_optimization.{key}",
+        lambda config, facts: (
+            _stage(config) < 3 and getattr(config.zero_optimization, key) != default
+        ),
+        lambda config, facts: (
+            f"'zero_optimization.{key}' is a ZeRO++ setting of ZeRO stage 3 (it compresses or "
+            f"localizes stage 3's parameter and gradient exchange), and the config asks for stage "
+            f"{_stage(config)}: set 'zero_optimization.stage' 3 or remove the key"
+        ),
+    )
+
+
 RULES: tuple[Rule, ...] = (
+    _zero_plus_plus_below_stage_3("zero_quantized_weights", False),
+    _zero_plus_plus_below_stage_3("zero_quantized_gradients", False),
+    _zero_plus_plus_below_stage_3("zero_hpz_partition_size", 1),
+    Rule(
+        "hpZ nodes divide the ZeRO group",
+        "zero_optimization.zero_hpz_partition_size",
+        lambda config, facts: (
+            facts.zero_group_size % config.zero_optimization.zero_hpz_partition_size != 0
+        ),
+        lambda config, facts: (
+            f"'zero_optimization.zero_hpz_partition_size' is "
+            f"{config.zero_optimization.zero_hpz_partition_size}, which does not divide the "
+            f"{facts.zero_group_size} data-parallel ranks ZeRO shards over: give the number of "
+            "ranks per node (a divisor of the data-parallel size), or 1 to turn hpZ off"
+        ),
+        needs=("zero_group_size",),
+    ),
     Rule(
         "one precision",
         "bf16.enabled",

@@ -19,10 +19,6 @@ Section = dict[str, Any] | None
 INFERENCE_ONLY = (
     "an inference setting; for serving give it to shardspeed.init_inference (docs/inference.md)"
 )
-ZERO_PLUS_PLUS = (
-    "ZeRO++'s quantized and hierarchical communication is not built; "
-    "'communication_data_type' and OneBitAdam compress communication instead"
-)
 NOT_PLANNED = "shardspeed does not have this feature"
 
 
@@ -500,13 +496,13 @@ class ZeroConfig(StrictModel):
         ),
         "zenflow": "ZenFlow (asynchronous offloaded optimizer updates) is not built",
         "save_muon_momentum_buffer_in_memory": NOT_PLANNED,
-        "zero_quantized_gradients": ZERO_PLUS_PLUS,
         "stage3_module_granularity_threshold": (
             f"{NOT_PLANNED}; choose stage 3 gather units with 'zero_optimization.leaf_module'"
         ),
-        "zero_hpz_partition_size": ZERO_PLUS_PLUS,
-        "zero_quantized_weights": ZERO_PLUS_PLUS,
-        "zero_quantized_nontrainable_weights": ZERO_PLUS_PLUS,
+        "zero_quantized_nontrainable_weights": (
+            "storing frozen weights quantized is not built: stage 3 keeps frozen weights whole "
+            "on every rank; 'zero_quantized_weights' quantizes the gathers of trained weights"
+        ),
         **{
             name: NOT_PLANNED
             for name in (

@@ -76,6 +76,7 @@ def initialize(
             tensor_parallel_size=topology.tp_world_size,
             autotp_size=autotp_size,
             moe_ep_sizes=tuple(m.ep_size for m in model.modules() if isinstance(m, MoE)),
+            zero_group_size=topology.get_sequence_data_parallel_world_size(),
         ),
     )
     _sequence_memory(model, run_config.sequence_parallel)

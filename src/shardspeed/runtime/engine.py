@@ -231,6 +231,7 @@ class ShardSpeedEngine(nn.Module):
             sequence_parallel=1
             if config.sequence_parallel.loss == "replicated"
             else self.topology.sp_world_size,
+            quantized_gradients=zero.zero_quantized_gradients,
         )
         gather = GatherOptions(
             bucket_elements=zero.allgather_bucket_size,
@@ -250,12 +251,16 @@ class ShardSpeedEngine(nn.Module):
             reduce=reduce,
             gather=gather,
             ignore_unused_parameters=zero.ignore_unused_parameters,
-            stage3=Stage3Options.from_config(zero),
+            stage3=Stage3Options.from_config(zero, self._hpz_group(zero.zero_hpz_partition_size)),
             offload=OffloadOptions.from_config(config),
             grad_dtype=_DTYPES.get(config.data_types.grad_accum_dtype),
             whole_groups=_whole_tensor_groups(basic, config.zero_allow_untested_optimizer),
             **self._sharding_layout(),
         )
+
+    def _hpz_group(self, size: int) -> Any:
+        """The group of ZeRO++'s hierarchical partitioning (None when it is off)."""
+        return self.topology.hpz_group(size)[0] if size > 1 else None
 
     def _sharding_layout(self) -> dict[str, Any]:
         """What the optimizer needs to know beyond the data-parallel group: the parameters copied

@@ -96,8 +96,10 @@ class FlatLayout:
         self, rows: torch.Tensor, regions: Sequence[int], buffer: torch.Tensor, base: int = 0
     ) -> None:
         """Put all-gathered `rows` (row k: rank k's shards of consecutive `regions`, side by side)
-        in place in `buffer`, which holds the layout from element `base` on."""
-        sizes = [self.shard_size(r) for r in regions]
+        in place in `buffer`, which holds the layout from element `base` on. Each region is cut
+        into as many equal pieces as there are rows: its shards, or fewer, larger pieces (the
+        secondary pieces of ZeRO++'s hpZ, one per rank of a node)."""
+        sizes = [(self.groups[r][1] - self.groups[r][0]) // len(rows) for r in regions]
         for r, columns in zip(regions, rows.split(sizes, dim=1)):
             start, end = self.groups[r]
             buffer[start - base : end - base].view(len(rows), -1).copy_(columns)

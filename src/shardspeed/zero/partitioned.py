@@ -21,6 +21,13 @@ recorded order stops prefetching and keeping, and the next pass records again.
 On CUDA a gather runs on the gather stream of `streams.CommStreams` (the shard's copy to the device
 and the all-gather), so a prefetch overlaps the current unit's compute; the compute stream waits for
 it only when the unit is used.
+
+ZeRO++ (docs/zeropp.md) changes the gathers the hooks make, never the others: with qwZ each
+rank's shard travels int8 block-quantized and every rank computes with the dequantized values;
+with hpZ a rank keeps 1/k of each unit after its forward gather, and the unit's later hook
+gathers assemble it from those pieces within a node of k ranks until the shards change. Explicit
+gathers (`GatheredParameters`, saving) are exact: a unit holding dequantized values is gathered
+again.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from .flat import FlatLayout, logical_shape
 from .init import ZeroParamStatus, is_init_sharded
 from .init import gather as gather_init_sliced
 from .init import release as release_init_sliced
+from .quantize import WEIGHT_BITS, dequantize, quantize
 from .streams import CommStreams
 
 # The attribute naming the ShardedParameters that owns a parameter (how GatheredParameters finds
@@ -89,10 +97,23 @@ class Stage3Options:
     leaf_name_suffixes: tuple[str, ...] = ()
     # Entries the user wrote (not DeepSpeed's defaults): one that matches nothing is an error.
     leaf_required: tuple[str, ...] = ()
+    # ZeRO++: the hooks' gathers travel int8 block-quantized (qwZ); with hpz_partition_size
+    # k > 1, a unit's hook gathers after its forward run within `hpz_group`, k consecutive ranks
+    # of the ZeRO group (hpZ).
+    quantized_weights: bool = False
+    hpz_partition_size: int = 1
+    hpz_group: Any = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.hpz_partition_size > 1 and self.hpz_group is None:
+            raise ValueError(
+                "hpz_partition_size above 1 needs the node's group (Topology.hpz_group)"
+            )
 
     @classmethod
-    def from_config(cls, zero: Any) -> Stage3Options:
-        """From the validated `zero_optimization` section."""
+    def from_config(cls, zero: Any, hpz_group: Any = None) -> Stage3Options:
+        """From the validated `zero_optimization` section; `hpz_group`: this rank's group of
+        `zero_hpz_partition_size` ranks (`Topology.hpz_group`), when that is above 1."""
         leaf = zero.leaf_module
         defaults = type(leaf)()
         required = [
@@ -110,6 +131,9 @@ class Stage3Options:
             leaf_names=tuple(leaf.names),
             leaf_name_suffixes=tuple(leaf.name_suffixes),
             leaf_required=tuple(required),
+            quantized_weights=zero.zero_quantized_weights,
+            hpz_partition_size=zero.zero_hpz_partition_size,
+            hpz_group=hpz_group,
         )
 
 
@@ -271,15 +295,21 @@ class SwappedShard:
 
 
 class _Gathering(NamedTuple):
-    """A unit being gathered: its buffer, the collectives' works, the rows they gather into when
-    the unit has several regions (put in place once they are done), and this rank's pieces as the
-    collectives read them (a copy on the gather stream when the shard is elsewhere, held until
-    that stream has waited for the collectives)."""
+    """A unit being gathered: its buffer, the collective's work, the rows it gathers into when
+    they need putting in place once it is done (several regions, or a quantized payload per
+    row), and this rank's pieces as the collective reads them (a copy on the gather stream when
+    the shard is elsewhere, held until that stream has waited for the collective). `numel`:
+    elements per row; `quantized`: rows are payloads to dequantize; `hooked`: a gather for the
+    module hooks; `secondary`: one over the hpZ node, from the secondary pieces."""
 
     buffer: torch.Tensor
     works: list
     rows: torch.Tensor | None
     inputs: list[torch.Tensor]
+    numel: int
+    quantized: bool
+    hooked: bool
+    secondary: bool
 
 
 class _Trace:
@@ -362,6 +392,13 @@ class ShardedParameters:
         self._traces = {True: _Trace(), False: _Trace()}
         self.trace = self._traces[True]
         self._in_flight: dict[int, _Gathering] = {}  # units being gathered
+        # ZeRO++ (see `_launch`): units whose whole copy holds dequantized values (qwZ), and
+        # each unit's secondary pieces with the units whose pieces are current (hpZ).
+        self._lossy: set[int] = set()
+        self._secondary: dict[int, torch.Tensor] = {}
+        self._secondary_valid: set[int] = set()
+        hpz = self.options.hpz_partition_size
+        self._node_rank = dist.get_rank(self.options.hpz_group) if hpz > 1 else 0
         self.peak_gathered_bytes = 0
         self.peak_live_elements = 0  # what stage3_max_live_parameters bounds
         for p in params:
@@ -418,15 +455,25 @@ class ShardedParameters:
         live = [*self.buffers, *self._in_flight]
         return sum(self.numel[u] for u in live if not self.units[u].persistent)
 
-    def gather(self, u: int) -> None:
-        """Make unit `u`'s parameters whole on every rank (a no-op if they already are)."""
+    def gather(self, u: int, exact: bool = True) -> None:
+        """Make unit `u`'s parameters whole on every rank (a no-op if they already are).
+
+        `exact` false: a gather for the module hooks, which ZeRO++ may make lossy (qwZ) or
+        node-local (hpZ). An exact gather of a unit whose whole copy is lossy gathers it again.
+        """
         self._kept.discard(u)
-        if u in self.buffers:
+        if u in self._in_flight:
+            self._land(u)
+        if u in self.buffers and (not exact or u not in self._lossy):
             return
-        if u not in self._in_flight:
-            if not self.units[u].persistent:
-                self._make_room(self.numel[u])
-            self._launch(u)
+        if u not in self.buffers and not self.units[u].persistent:
+            self._make_room(self.numel[u])
+        self.buffers.pop(u, None)  # a lossy copy is gathered again, exactly, into its storage
+        self._launch(u, hooked=not exact)
+        self._land(u)
+
+    def _land(self, u: int) -> None:
+        """Wait for unit `u`'s collective and make its parameters views of the whole copy."""
         gathering = self._in_flight.pop(u)
         with self.streams.on(self.streams.gather):
             for work in gathering.works:
@@ -434,19 +481,46 @@ class ShardedParameters:
         # From here on the unit is read on the compute stream; the gather stream is past the
         # collectives, so the pieces they read (`gathering.inputs`) may go.
         self.streams.current().wait_stream(self.streams.gather)
-        buffer = gathering.buffer
-        if gathering.rows is not None:
-            self.layout.place_gathered(
-                gathering.rows, self._regions_with_elements(u), buffer, self.span(u)[0]
-            )
-        self.buffers[u] = buffer
-        self._note_live()
+        buffer, rows = gathering.buffer, gathering.rows
         start, _ = self.span(u)
+        if gathering.quantized:
+            rows = dequantize(rows, gathering.numel, WEIGHT_BITS, dtype=buffer.dtype)
+        if rows is not None:
+            self.layout.place_gathered(rows, self._regions_with_elements(u), buffer, start)
+        self.buffers[u] = buffer
+        if gathering.quantized:
+            self._lossy.add(u)
+        else:
+            self._lossy.discard(u)
+        if gathering.hooked and not gathering.secondary and self.options.hpz_partition_size > 1:
+            self._keep_secondary(u)
+        self._note_live()
         for p in self.units[u].params:
             i = self.index[p]
             offset = self.layout.offsets[i] - start
             p.data = buffer.narrow(0, offset, self.layout.numels[i]).view(self.layout.shapes[i])
             p.ds_status = ZeroParamStatus.AVAILABLE
+
+    def _keep_secondary(self, u: int) -> None:
+        """hpZ: keep this rank's 1/k of each region of unit `u`'s whole copy (its place in the
+        node picks which), the pieces the node gathers for the unit's backward."""
+        start, _ = self.span(u)
+        k, j = self.options.hpz_partition_size, self._node_rank
+        buffer = self.buffers[u]
+        pieces = []
+        for r in self._regions_with_elements(u):
+            r_start, r_end = self.layout.groups[r]
+            size = (r_end - r_start) // k
+            pieces.append(buffer[r_start - start + j * size :][:size])
+        kept = self._secondary.get(u)
+        if kept is None:
+            kept = self._secondary[u] = buffer.new_empty(self.numel[u] // k)
+        torch.cat(pieces, out=kept)
+        self._secondary_valid.add(u)
+
+    def secondaries(self) -> list[torch.Tensor]:
+        """hpZ's secondary pieces this rank holds (1/k of every unit used so far)."""
+        return list(self._secondary.values())
 
     def _unit_buffer(self, u: int, numel: int) -> torch.Tensor:
         """Unit `u`'s whole-copy buffer: one storage for the unit's life, sized to 0 when released."""
@@ -468,34 +542,48 @@ class ShardedParameters:
     def _regions_with_elements(self, u: int) -> list[int]:
         return [r for r in self.unit_regions[u] if self.layout.shard_size(r)]
 
-    def _launch(self, u: int) -> None:
+    def _launch(self, u: int, hooked: bool = False) -> None:
+        """Start gathering unit `u`: one collective for the unit, its regions' shards (which lie
+        side by side in the store) as one, each rank's pieces put in place once it is done.
+
+        A gather for the hooks (`hooked`) uses ZeRO++ where configured, as DeepSpeed does: with
+        a current secondary copy (hpZ) it gathers the k secondary pieces over the node instead
+        of the shards over the whole group; with qwZ what travels is the pieces block-quantized
+        to int8, and every rank, the owner too, uses the dequantized values so replicas agree.
+        """
         start, end = self.span(u)
         # The buffers are allocated on the compute stream, which reads them (see streams.py).
         buffer = self._unit_buffer(u, end - start)
         regions = self._regions_with_elements(u)
-        rows = None
-        if len(regions) > 1:
-            # One collective for the unit: its regions' shards lie side by side in the store;
-            # they are gathered as one and each rank's pieces put in place once they are here.
-            world = self.layout.shards[regions[0]]
-            numel = sum(self.layout.shard_size(r) for r in regions)
-            rows = torch.empty(world, numel, dtype=self.store.dtype, device=self.device)
-        inputs, works = [], []
+        secondary = hooked and u in self._secondary_valid
+        quantized = hooked and self.options.quantized_weights
+        group, ranks = (
+            (self.options.hpz_group, self.options.hpz_partition_size)
+            if secondary
+            else (self.group, self.layout.shards[regions[0]] if regions else 1)
+        )
+        rows, inputs, works, numel = None, [], [], 0
         with self.streams.side(self.streams.gather):
-            if rows is not None:
-                mine = self.store.pieces(regions).to(self.device, non_blocking=True)
-                inputs.append(mine)
-                works.append(
-                    all_gather_into_tensor(rows.view(-1), mine, group=self.group, async_op=True)
+            if regions:  # (an empty persistent unit has none)
+                mine = (
+                    self._secondary[u]
+                    if secondary
+                    else self.store.pieces(regions).to(self.device, non_blocking=True)
                 )
-            else:
-                for r in regions:
-                    r_start, r_end = self.layout.groups[r]
-                    mine = self.store.piece(r).to(self.device, non_blocking=True)
-                    inputs.append(mine)
+                numel = mine.numel()
+                sent = quantize(mine, WEIGHT_BITS) if quantized else mine
+                inputs.append(sent)
+                if quantized or len(regions) > 1:
+                    rows = buffer.new_empty(ranks, sent.numel(), dtype=sent.dtype)
+                    out = rows.view(-1)
+                else:
+                    # One region is the ranks' pieces in rank order: gather in place.
+                    r_start, r_end = self.layout.groups[regions[0]]
                     out = buffer[r_start - start : r_end - start]
-                    works.append(all_gather_into_tensor(out, mine, group=self.group, async_op=True))
-        self._in_flight[u] = _Gathering(buffer, works, rows, inputs)
+                works.append(all_gather_into_tensor(out, sent, group=group, async_op=True))
+        self._in_flight[u] = _Gathering(
+            buffer, works, rows, inputs, numel, quantized, hooked, secondary
+        )
         self._note_live()
 
     def _note_live(self) -> None:
@@ -519,7 +607,7 @@ class ShardedParameters:
                 continue
             fits = self.live_elements() + self.numel[v] <= self.options.max_live_elements
             if self.numel[v] <= self.options.prefetch_elements and fits:
-                self._launch(v)
+                self._launch(v, hooked=True)
             return
 
     def _reused_soon(self, u: int) -> bool:
@@ -545,6 +633,7 @@ class ShardedParameters:
         self._kept.discard(u)
         if self.units[u].persistent or u not in self.buffers:
             return
+        self._lossy.discard(u)
         for p in self.units[u].params:
             p.data = self._empty
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE
@@ -554,7 +643,9 @@ class ShardedParameters:
         self.buffers.pop(u).untyped_storage().resize_(0)
 
     def refresh_persistent(self) -> None:
-        """Re-gather the persistent unit after the shards changed (the optimizer stepped)."""
+        """Re-gather the persistent unit after the shards changed (the optimizer stepped), exactly
+        (DeepSpeed gathers persistent parameters unquantized); hpZ's secondary pieces are stale."""
+        self._secondary_valid.clear()
         for u, unit in enumerate(self.units):
             if unit.persistent:
                 self.buffers.pop(u, None)
@@ -573,13 +664,13 @@ class ShardedParameters:
     def release_all(self) -> None:
         """End of a step's backward: drop every non-persistent copy, prefetched ones included."""
         for u in list(self._in_flight):
-            self.gather(u)
+            self._land(u)
         for u in range(len(self.units)):
             self.release(u)
 
     def _use(self, u: int) -> None:
         self.trace.advance(u)
-        self.gather(u)
+        self.gather(u, exact=False)
         self._prefetch()
 
     def _pre_forward(self, u: int) -> Callable:
@@ -606,6 +697,7 @@ class ShardedParameters:
         """Copy this rank's part of unit `u`'s (modified) whole copy back into its shard."""
         start, _ = self.span(u)
         buffer = self.buffers[u]
+        self._secondary_valid.discard(u)
         rank = _group_rank(self.group)
         for r in self.unit_regions[u]:
             r_start, _ = self.layout.groups[r]

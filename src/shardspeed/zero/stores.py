@@ -383,7 +383,8 @@ class ShardedParams:
         self.sharded_params.release_all()  # units whose parameters got no gradient
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.sharded_params.store.tensors(), *self.sharded_params.buffers.values()]
+        sharded = self.sharded_params
+        return [*sharded.store.tensors(), *sharded.buffers.values(), *sharded.secondaries()]
 
     def device_tensors(self) -> list[torch.Tensor]:
         """The gathered units, and the shard unless `offload_param` keeps it off the device."""
