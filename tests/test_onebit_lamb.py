@@ -239,3 +239,49 @@ def test_state_dict_keeps_phase_and_per_tensor_coefficients():
     for p in params:
         for key in ("lamb_coeff_freeze", "last_factor", "scaling_coeff"):
             assert torch.equal(fresh.state[p][key], optimizer.state[p][key])
+
+
+def _per_tensor_states_through_checkpoint(directory: str) -> list[tuple[dict, dict]]:
+    """Train past the freeze, save; a fresh engine loads: each tensor's 0-dimensional states."""
+    rank = get_rank()
+    states = []
+    for load in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 1))
+        engine, *_ = shardspeed.initialize(
+            model=model,
+            config={
+                "train_micro_batch_size_per_gpu": ROWS,
+                "optimizer": {"type": "OneBitLamb", "params": HYPER},
+            },
+        )
+        if load:
+            engine.load_checkpoint(directory)
+        else:
+            gen = torch.Generator().manual_seed(100 + rank)
+            x, y = torch.randn(ROWS, DIM, generator=gen), torch.randn(ROWS, 1, generator=gen)
+            for _ in range(FREEZE + 3):
+                engine.backward(F.mse_loss(engine(x), y))
+                engine.step()
+            engine.save_checkpoint(directory)
+        optimizer = engine.basic_optimizer
+        states.append(
+            [
+                {
+                    k: float(v)
+                    for k, v in optimizer.state[p].items()
+                    if torch.is_tensor(v) and v.dim() == 0
+                }
+                for p in optimizer.param_groups[0]["params"]
+            ]
+        )
+    return list(zip(*states))
+
+
+def test_per_tensor_coefficients_survive_a_checkpoint(pool2, tmp_path):
+    """1-bit Lamb's frozen trust ratios and scaling coefficients differ per tensor: a checkpoint
+    keeps each tensor's own (saved whole per parameter), not one value per param group."""
+    for saved, loaded in pool2.run(_per_tensor_states_through_checkpoint, str(tmp_path))[0]:
+        assert saved == loaded
+    values = pool2.run(_per_tensor_states_through_checkpoint, str(tmp_path / "again"))[0]
+    assert len({pair[0]["lamb_coeff_freeze"] for pair in values}) > 1  # they do differ

@@ -15,6 +15,7 @@ from torch import nn
 import shardspeed
 from reference_training import assert_close_relative
 from shardspeed.optim import Lamb
+from shardspeed.optim.muon import Muon, muon_param_groups, tag_muon_parameters
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -47,12 +48,20 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(GLOBAL_BATCH, 8, generator=gen), torch.randn(GLOBAL_BATCH, 4, generator=gen)
 
 
-def lamb(params: Any) -> torch.optim.Optimizer:
-    return Lamb(params, lr=0.02, weight_decay=0.01)
+def lamb(model: nn.Module) -> torch.optim.Optimizer:
+    return Lamb(model.parameters(), lr=0.02, weight_decay=0.01)
 
 
-def adafactor(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.Adafactor(params, lr=0.02)
+def adafactor(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adafactor(model.parameters(), lr=0.02)
+
+
+def muon(model: nn.Module) -> torch.optim.Optimizer:
+    """DeepSpeed's split: the blocks' matrices on Muon, the rest (input layer and biases too,
+    by name and shape) on its AdamW half, each half with its own learning rate."""
+    tag_muon_parameters(model)
+    settings = {"lr": 0.01, "muon_lr": 0.02, "adam_lr": 3e-3, "weight_decay": 0.01}
+    return Muon(muon_param_groups(model.parameters(), settings))
 
 
 class Unknown(torch.optim.Adafactor):
@@ -62,7 +71,8 @@ class Unknown(torch.optim.Adafactor):
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "lamb": lamb,
     "adafactor": adafactor,
-    "unknown": lambda params: Unknown(params, lr=0.02),
+    "muon": muon,
+    "unknown": lambda model: Unknown(model.parameters(), lr=0.02),
 }
 
 STAGES = {
@@ -76,7 +86,7 @@ STAGES = {
 def reference(name: str) -> list[torch.Tensor]:
     """The optimizer in one process on the whole global batches."""
     model = Blocks()
-    optimizer = OPTIMIZERS[name](model.parameters())
+    optimizer = OPTIMIZERS[name](model)
     for step in range(STEPS):
         x, y = batch(step)
         F.mse_loss(model(x), y).backward()
@@ -98,7 +108,7 @@ def train(
     model = Blocks()
     engine, *_ = shardspeed.initialize(
         model=model,
-        optimizer=OPTIMIZERS[name](model.parameters()),
+        optimizer=OPTIMIZERS[name](model),
         config={
             "train_batch_size": GLOBAL_BATCH,
             "train_micro_batch_size_per_gpu": micro,
@@ -128,7 +138,7 @@ def train(
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("name", ["adafactor", "lamb"])
+@pytest.mark.parametrize("name", ["adafactor", "lamb", "muon"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_matches_single_process(pool2, pool4, world, name, stage):
     pool = pool2 if world == 2 else pool4
@@ -137,12 +147,15 @@ def test_matches_single_process(pool2, pool4, world, name, stage):
     for result in results:
         # Summation order differs from one process (micro-batches, then ranks): 5e-5 relative.
         assert_close_relative(result["params"], expected, 5e-5)
-    # Every parameter is one rank's master, whole, in its own shape.
-    owned = [param for result in results for param, _ in result["masters"]]
-    assert sorted(owned) == list(range(len(results[0]["shapes"])))
+    # Every parameter is one rank's master, whole, in its own shape (Muon: every matrix; its
+    # AdamW half keeps flat shards).
+    shapes = results[0]["shapes"]
+    owned = [param for result in results for param, _ in result["masters"] if param is not None]
+    whole = [i for i, shape in enumerate(shapes) if name != "muon" or len(shape) >= 2]
+    assert sorted(owned) == whole
     for result in results:
         for param, shape in result["masters"]:
-            assert shape == result["shapes"][param]
+            assert param is None or shape == shapes[param]
 
 
 def test_unknown_optimizers_get_whole_tensors_unless_declared_elementwise(pool2):
@@ -177,7 +190,7 @@ def train_adamw() -> list:
     return [(m.param, tuple(m.shape)) for m in engine.optimizer.plan.masters]
 
 
-@pytest.mark.parametrize("name", ["adafactor", "lamb"])
+@pytest.mark.parametrize("name", ["adafactor", "lamb", "muon"])
 def test_checkpoint_reshards_across_world_sizes_and_stages(pool2, pool4, tmp_path, name):
     """Saved at ZeRO 2 on 2 ranks halfway, resumed at ZeRO 3 on 4 ranks and at ZeRO 1 on 2:
     the end equals uninterrupted single-process training (Adafactor's factored moments are

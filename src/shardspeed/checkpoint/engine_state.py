@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -283,6 +282,7 @@ def _collect_masters(
     parameters they hold. Shards are each rank's own; whole copies are written once
     (expert-parallel experts by the first rank holding them)."""
     shapes = dict(zip(zopt.param_names, zopt.layout.shapes))
+    varying = _varying_scalars(zopt)
     for k, pieces in enumerate(zopt.master_pieces()):
         if not zopt.writes_master(k, writes_replicated):
             continue
@@ -292,13 +292,16 @@ def _collect_masters(
         sized = {n: v.reshape(-1) for n, v in state.items() if per_element(v, flat.numel())}
         for n, v in sized.items():
             tensors[f"optim.{n}.{k}"] = v.detach()
-        whole = _whole_states(zopt, state, sized, pieces, flat.numel())
+        whole = _whole_states(zopt, state, sized, pieces, flat.numel(), varying)
         for n, v in whole.items():
             tensors[f"optim.{n}.{k}"] = v.detach().reshape(-1)
             name = pieces[0][0]
             key = logical.stored_name(f"optim/{n}/{name}", name)
             logical.add(key, f"optim.{n}.{k}", v, (0, v.numel(), 0), v.shape)
-        if whole:
+        # A tensor of a whole-tensor param group may keep other states than its neighbours
+        # (Muon's matrices a momentum, its AdamW half two moments): listed, each has its own.
+        one_tensor = len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][3] == flat.numel()
+        if whole or (one_tensor and zopt.plan.region_whole[zopt.plan.masters[k].region]):
             logical.whole_states[pieces[0][0]] = sorted([*sized, *whole])
         for name, start, offset, length in pieces:
             piece = (start, length, offset)
@@ -315,14 +318,16 @@ def _whole_states(
     sized: dict[str, torch.Tensor],
     pieces: list[tuple[str, int, int, int]],
     numel: int,
+    varying: set[str],
 ) -> dict[str, torch.Tensor]:
-    """A master's optimizer states that are neither per element nor scalars (Adafactor's
-    factored moments), saved whole in their own shape. Only a master that is one whole parameter
-    can have them: the shard plan steps such optimizers on whole tensors."""
+    """A master's optimizer states that are not per element and not one scalar per param group
+    (Adafactor's factored moments; 1-bit Lamb's per-tensor coefficients, named in `varying`),
+    saved whole in their own shapes. Only a master that is one whole parameter can have them: the
+    shard plan steps such optimizers on whole tensors."""
     others = {
         n: v
         for n, v in state.items()
-        if isinstance(v, torch.Tensor) and v.dim() > 0 and n not in sized
+        if isinstance(v, torch.Tensor) and n not in sized and (v.dim() > 0 or n in varying)
     }
     whole = len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][3] == numel
     if others and not whole:
@@ -334,6 +339,21 @@ def _whole_states(
             "stepped on whole tensors"
         )
     return others
+
+
+def _varying_scalars(zopt: Any) -> set[str]:
+    """Names of 0-dimensional tensor states whose values differ between masters of one param
+    group on this rank: per-tensor values, which one scalar per group would lose."""
+    varying = set()
+    for group in zopt.optimizer.param_groups:
+        seen: dict[str, float] = {}
+        for master in group["params"]:
+            for n, v in zopt.optimizer.state.get(master, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() == 0:
+                    value = float(v)
+                    if seen.setdefault(n, value) != value:
+                        varying.add(n)
+    return varying
 
 
 def _collect_whole_tensors(
@@ -918,6 +938,7 @@ def _load_optimizer(
             f"the optimizer {len(groups)}"
         )
     state_names = sorted({n.split("/")[1] for n in source.names("optim/")})
+    shapes = dict(zip(zopt.param_names, zopt.layout.shapes))
     index = {id(m): i for i, m in enumerate(zopt.masters)}
     state: dict[int, dict[str, Any]] = {}
     flat_ids = []
@@ -933,10 +954,13 @@ def _load_optimizer(
             }
             numel = zopt.master_numel(k)
             for n in state_names:
-                whole = _whole_state(source, f"optim/{n}/", pieces[k], numel)
+                whole = _whole_state(source, f"optim/{n}/", pieces[k], numel, shapes)
                 if whole is not None:
                     entry[n] = whole.to(master.device)
                     continue
+                one_tensor = len(pieces[k]) == 1 and pieces[k][0][3] == numel
+                if one_tensor and f"optim/{n}/{pieces[k][0][0]}" not in source:
+                    continue  # a state other tensors keep (Adafactor's by shape, Muon's by half)
                 values = torch.zeros(numel, dtype=torch.float32)
                 for name, start, offset, length in pieces[k]:
                     if f"optim/{n}/{name}" in source:
@@ -964,15 +988,21 @@ def _load_optimizer(
 
 
 def _whole_state(
-    source: TensorSource, prefix: str, pieces: list[tuple[str, int, int, int]], numel: int
+    source: TensorSource,
+    prefix: str,
+    pieces: list[tuple[str, int, int, int]],
+    numel: int,
+    shapes: dict[str, Any],
 ) -> torch.Tensor | None:
     """A state saved whole in its own shape (see `_whole_states`) for a master that is one whole
-    parameter, or None when the state is per element."""
+    parameter (`shapes`: each parameter's), or None when the state is per element (it has the
+    parameter's shape)."""
     whole = len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][3] == numel
     key = f"{prefix}{pieces[0][0]}" if whole else None
-    if key is None or key not in source or math.prod(source.shape(key)) == numel:
+    if key is None or key not in source:
         return None
-    return source.read_whole(key).view(source.shape(key))
+    shape = tuple(source.shape(key))
+    return None if shape == tuple(shapes[pieces[0][0]]) else source.read_whole(key).view(shape)
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:

@@ -199,7 +199,7 @@ class ShardPlan:
     def whole_tensor_summary(self) -> str | None:
         """What stepping whole tensors costs here, for the log (None: every region is flat)."""
         regions = [r for r, whole in enumerate(self.region_whole) if whole]
-        if not regions:
+        if not regions or not self.sharded:
             return None
         groups = sorted({self.region_group[r] for r in regions})
         first = {r: sum(len(p) for p in self.region_params[:r]) for r in regions}
@@ -307,7 +307,7 @@ def build_plan(
     params = [p for region in regions for p in region]
     names = {p: n for n, p in module.named_parameters()}
     names.update((p, n) for e in experts for p, n in zip(e.params, e.names))
-    region_whole = [stage >= 1 and bool(whole_groups) and whole_groups[g] for g in region_group]
+    region_whole = [bool(whole_groups) and whole_groups[g] for g in region_group]
     shards = [places[p].world for p in region_place] if stage else 1
     layout = FlatLayout.of(regions, shards, region_whole)
     first_param = [0]
