@@ -533,9 +533,10 @@ def test_refused_settings(tmp_path: Path) -> None:
 
 
 def test_candidates_the_loader_refuses_are_not_tried(tmp_path: Path) -> None:
-    args = _setup(tmp_path, {}, optimizer={"type": "Lamb", "params": {"lr": 1e-3}})
+    zero = {"stage": [0, 3], "zero_quantized_weights": True}
+    args = _setup(tmp_path, {}, zero_optimization=zero)
     candidates = _tuner(tmp_path, args).candidates()
-    assert {c.stage for c in candidates} == {0}  # Lamb runs only at stage 0
+    assert {c.stage for c in candidates} == {3}  # ZeRO++'s keys are refused below stage 3
 
 
 # --- through the launcher --------------------------------------------------------------------------
