@@ -1,6 +1,8 @@
 """Optimizers whose update of an element depends on its whole tensor (Lamb's trust ratio,
-Adafactor's factored second moment, Muon's orthogonalisation) at ZeRO stages 1, 2 and 3: the shard
-plan gives each rank whole tensors, so training equals the single-process optimizer."""
+Adafactor's factored second moment, Muon's orthogonalisation, 1-bit Lamb's per-tensor scaling) at
+ZeRO stages 1, 2 and 3: the shard plan gives each rank whole tensors, so training equals the
+single-process optimizer (1-bit Lamb: its own one-process run, past its warm-up too; ZeRO then
+averages the gradients, and its 1-bit exchange is stage 0's)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import shardspeed
 from reference_training import assert_close_relative
 from shardspeed.optim import Lamb
 from shardspeed.optim.muon import Muon, muon_param_groups, tag_muon_parameters
+from shardspeed.optim.onebit import OneBitLamb
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -64,6 +67,12 @@ def muon(model: nn.Module) -> torch.optim.Optimizer:
     return Muon(muon_param_groups(model.parameters(), settings))
 
 
+def onebit_lamb(model: nn.Module) -> torch.optim.Optimizer:
+    """Two warm-up steps (Lamb, variance updated), then two with the variance frozen and the
+    per-tensor scaling of 1-bit Lamb."""
+    return OneBitLamb(model.parameters(), lr=0.02, freeze_step=2, comm_backend_name="gloo")
+
+
 class Unknown(torch.optim.Adafactor):
     """Adafactor under a name shardspeed does not know."""
 
@@ -72,6 +81,7 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "lamb": lamb,
     "adafactor": adafactor,
     "muon": muon,
+    "onebitlamb": onebit_lamb,
     "unknown": lambda model: Unknown(model.parameters(), lr=0.02),
 }
 
@@ -138,7 +148,7 @@ def train(
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("name", ["adafactor", "lamb", "muon"])
+@pytest.mark.parametrize("name", ["adafactor", "lamb", "muon", "onebitlamb"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_matches_single_process(pool2, pool4, world, name, stage):
     pool = pool2 if world == 2 else pool4
@@ -190,7 +200,7 @@ def train_adamw() -> list:
     return [(m.param, tuple(m.shape)) for m in engine.optimizer.plan.masters]
 
 
-@pytest.mark.parametrize("name", ["adafactor", "lamb", "muon"])
+@pytest.mark.parametrize("name", ["adafactor", "lamb", "muon", "onebitlamb"])
 def test_checkpoint_reshards_across_world_sizes_and_stages(pool2, pool4, tmp_path, name):
     """Saved at ZeRO 2 on 2 ranks halfway, resumed at ZeRO 3 on 4 ranks and at ZeRO 1 on 2:
     the end equals uninterrupted single-process training (Adafactor's factored moments are

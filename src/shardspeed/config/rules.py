@@ -91,6 +91,11 @@ def _zero_plus_plus_below_stage_3(key: str, default: object) -> Rule:
     )
 
 
+# Compressing optimizers whose arithmetic also runs at ZeRO stages 1-3: on whole tensors, each on
+# its owner, with ZeRO averaging the gradients (no 1-bit exchange there).
+_STEPS_ON_OWNERS = frozenset({"OneBitLamb"})
+
+
 RULES: tuple[Rule, ...] = (
     _zero_plus_plus_below_stage_3("zero_quantized_weights", False),
     _zero_plus_plus_below_stage_3("zero_quantized_gradients", False),
@@ -260,7 +265,7 @@ RULES: tuple[Rule, ...] = (
         "compressed optimizers on plain data parallelism",
         "zero_optimization.stage",
         lambda config, facts: (
-            _stage(config) > 0
+            (_stage(config) > 0 and facts.compressed_optimizer not in _STEPS_ON_OWNERS)
             or _sequence_parallel(config)
             or facts.pipeline_stages > 1
             or facts.tensor_parallel_size > 1
@@ -268,9 +273,14 @@ RULES: tuple[Rule, ...] = (
         ),
         lambda config, facts: (
             f"{facts.compressed_optimizer} compresses the data-parallel gradient exchange itself: "
-            "it works with ZeRO stage 0 and plain data parallelism only (as in DeepSpeed), not "
-            "with ZeRO stages 1-3, pipeline, tensor, sequence or expert parallelism: set "
-            "'zero_optimization.stage' 0, or choose another optimizer"
+            "it works with plain data parallelism only (as in DeepSpeed), not with pipeline, "
+            "tensor, sequence or expert parallelism"
+            + (
+                ""
+                if facts.compressed_optimizer in _STEPS_ON_OWNERS
+                else ", and with ZeRO stage 0 only (OneBitLamb also runs at stages 1-3)"
+            )
+            + ": set 'zero_optimization.stage' 0, or choose another optimizer"
         ),
         needs=("compressed_optimizer", "pipeline_stages", "tensor_parallel_size", "moe_ep_sizes"),
     ),

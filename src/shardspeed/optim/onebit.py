@@ -82,15 +82,19 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.cuda_aware = cuda_aware
         self.comm_backend_name = comm_backend_name
         self.process_group: Any = None
+        self.local = False
         # Error feedback buffers, per param group and exchanged size.
         self._errors: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
         # The most steps any parameter has taken: asked before every backward, so kept up to date
         # by step() and load_state_dict() rather than read off every parameter's state each time.
         self._steps = 0
 
-    def set_process_group(self, group: Any) -> None:
-        """Average over `group` (the data-parallel group; None is the default group)."""
+    def set_process_group(self, group: Any, local: bool = False) -> None:
+        """Average over `group` (the data-parallel group; None is the default group). `local`:
+        exchange nothing (ZeRO reduces the gradients and steps each tensor on its owner): the
+        optimizer's arithmetic is then that of one process on the averaged gradients."""
         self.process_group = group
+        self.local = local
         self._errors.clear()
 
     def communicates_gradients(self) -> bool:
@@ -110,7 +114,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._steps = max((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
 
     def _world_size(self) -> int:
-        return get_world_size(self.process_group)
+        return 1 if self.local else get_world_size(self.process_group)
 
     def _average_group(
         self, index: int, tensors: list[torch.Tensor], group: dict[str, Any]
@@ -499,7 +503,7 @@ class OneBitLamb(CompressedOptimizer):
         self.lamb_coeffs: list[torch.Tensor] = []
 
     def communicates_gradients(self) -> bool:
-        return self._steps >= self.freeze_step
+        return self._steps >= self.freeze_step and not self.local
 
     def needs_whole_tensors(self, group: dict[str, Any]) -> bool:
         """True: trust ratios and momentum scales are per whole tensor."""
@@ -516,7 +520,7 @@ class OneBitLamb(CompressedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        compressing = self.communicates_gradients()
+        compressing = self._steps >= self.freeze_step  # the frozen phase, exchanged or local
         if compressing:
             self._scale_momenta_once()
         self.lamb_coeffs = []

@@ -203,7 +203,16 @@ class ShardSpeedEngine(nn.Module):
                     compressed_optimizer=type(basic).__name__,
                 ),
             )
-            basic.set_process_group(topo.dp_group)
+            local = zero.stage >= 1
+            basic.set_process_group(topo.dp_group, local=local)
+            if local and topo.rank == 0:
+                logger.warning(
+                    "%s at ZeRO stage %d: each tensor is stepped whole on its owner with "
+                    "single-process arithmetic on gradients that ZeRO averages uncompressed; its "
+                    "1-bit exchange runs with 'zero_optimization.stage' 0 only",
+                    type(basic).__name__,
+                    zero.stage,
+                )
         fp16 = config.fp16
         scaler = (
             build_loss_scaler(
