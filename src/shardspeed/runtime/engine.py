@@ -193,26 +193,7 @@ class ShardSpeedEngine(nn.Module):
         config = self.run_config
         zero = config.zero_optimization
         if isinstance(basic, CompressedOptimizer):
-            topo = self.topology
-            refuse_combinations(
-                config,
-                RunFacts(
-                    pipeline_stages=topo.num_stages,
-                    tensor_parallel_size=topo.tp_world_size,
-                    moe_ep_sizes=tuple(layer.ep_size for layer in self.moe_layers.values()),
-                    compressed_optimizer=type(basic).__name__,
-                ),
-            )
-            local = zero.stage >= 1
-            basic.set_process_group(topo.dp_group, local=local)
-            if local and topo.rank == 0:
-                logger.warning(
-                    "%s at ZeRO stage %d: each tensor is stepped whole on its owner with "
-                    "single-process arithmetic on gradients that ZeRO averages uncompressed; its "
-                    "1-bit exchange runs with 'zero_optimization.stage' 0 only",
-                    type(basic).__name__,
-                    zero.stage,
-                )
+            self._connect_compressed(basic)
         fp16 = config.fp16
         scaler = (
             build_loss_scaler(
@@ -270,6 +251,32 @@ class ShardSpeedEngine(nn.Module):
     def _hpz_group(self, size: int) -> Any:
         """The group of ZeRO++'s hierarchical partitioning (None when it is off)."""
         return self.topology.hpz_group(size)[0] if size > 1 else None
+
+    def _connect_compressed(self, basic: CompressedOptimizer) -> None:
+        """Check a compressing optimizer's combination with the mesh and hand it the group it
+        exchanges over; at ZeRO 1-3 (OneBitLamb only) it exchanges nothing (`local`)."""
+        config = self.run_config
+        zero = config.zero_optimization
+        topo = self.topology
+        refuse_combinations(
+            config,
+            RunFacts(
+                pipeline_stages=topo.num_stages,
+                tensor_parallel_size=topo.tp_world_size,
+                moe_ep_sizes=tuple(layer.ep_size for layer in self.moe_layers.values()),
+                compressed_optimizer=type(basic).__name__,
+            ),
+        )
+        local = zero.stage >= 1
+        basic.set_process_group(topo.dp_group, local=local)
+        if local and topo.rank == 0:
+            logger.warning(
+                "%s at ZeRO stage %d: each tensor is stepped whole on its owner with "
+                "single-process arithmetic on gradients that ZeRO averages uncompressed; its "
+                "1-bit exchange runs with 'zero_optimization.stage' 0 only",
+                type(basic).__name__,
+                zero.stage,
+            )
 
     def _sharding_layout(self) -> dict[str, Any]:
         """What the optimizer needs to know beyond the data-parallel group: the parameters copied
