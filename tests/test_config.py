@@ -575,6 +575,16 @@ RULE_TRIGGERS: dict[str, tuple[dict, RunFacts | None]] = {
         {"compile": {"enabled": True}, "zero_optimization": {"stage": 3}},
         None,
     ),
+    "qgZ replaces the gradient reduce-scatter": (
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "zero_quantized_gradients": True,
+                "reduce_scatter": False,
+            }
+        },
+        None,
+    ),
     "stage 3 without a pipeline": (
         {"zero_optimization": {"stage": 3}},
         RunFacts(pipeline_module=True),

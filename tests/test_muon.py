@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardspeed.config import ConfigError, load_config
+from shardspeed.config import ConfigError, load_config, tuning_report
 from shardspeed.config.optimizer import MuonParams
 from shardspeed.optim import build_optimizer
 from shardspeed.optim.muon import Muon, muon_param_groups, tag_muon_parameters
@@ -234,6 +234,20 @@ def test_muon_equals_the_reference(ns_method, adam_w_mode):
 def test_bad_muon_params_are_refused_by_key(params, match):
     with pytest.raises(ConfigError, match=match):
         load_config({"train_batch_size": 1, "optimizer": {"type": "Muon", "params": params}}, 1)
+
+
+def test_keys_that_change_nothing_are_reported():
+    """`torch_adam` and `foreach` choose DeepSpeed's kernels; shardspeed's AdamW half is the same
+    arithmetic either way, and the start-of-run report says so for each one set."""
+    params = {"torch_adam": True, "foreach": False}
+    config = load_config(
+        {"train_batch_size": 1, "optimizer": {"type": "Muon", "params": params}}, 1
+    )
+    report = tuning_report(config)
+    assert [line.split(" = ")[0] for line in report] == [
+        "optimizer.params.torch_adam",
+        "optimizer.params.foreach",
+    ]
 
 
 def test_type_is_case_insensitive_as_in_deepspeed():

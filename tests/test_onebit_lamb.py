@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -112,8 +113,8 @@ def expected_first_compressed_step(params, grads, states) -> list[torch.Tensor]:
     return out
 
 
-def _train_two_ranks() -> dict:
-    rank = get_rank()
+def _engine(**config: Any) -> tuple[nn.Module, Any]:
+    """The test's small regression model under an engine with OneBitLamb (HYPER)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 1))
     engine, *_ = shardspeed.initialize(
@@ -121,9 +122,15 @@ def _train_two_ranks() -> dict:
         config={
             "train_micro_batch_size_per_gpu": ROWS,
             "optimizer": {"type": "OneBitLamb", "params": HYPER},
-            "gradient_clipping": 0.0,  # the comparison is of the optimizer
+            **config,
         },
     )
+    return model, engine
+
+
+def _train_two_ranks() -> dict:
+    rank = get_rank()
+    model, engine = _engine(gradient_clipping=0.0)  # the comparison is of the optimizer
     optimizer = engine.basic_optimizer
     truth = torch.randn(DIM, 1, generator=torch.Generator().manual_seed(7))
     gen = torch.Generator().manual_seed(100 + rank)
@@ -249,15 +256,7 @@ def _per_tensor_states_through_checkpoint(directory: str) -> list[tuple[dict, di
     rank = get_rank()
     states = []
     for load in (False, True):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 1))
-        engine, *_ = shardspeed.initialize(
-            model=model,
-            config={
-                "train_micro_batch_size_per_gpu": ROWS,
-                "optimizer": {"type": "OneBitLamb", "params": HYPER},
-            },
-        )
+        _, engine = _engine()
         if load:
             engine.load_checkpoint(directory)
         else:

@@ -292,7 +292,8 @@ def _collect_masters(
         sized = {n: v.reshape(-1) for n, v in state.items() if per_element(v, flat.numel())}
         for n, v in sized.items():
             tensors[f"optim.{n}.{k}"] = v.detach()
-        whole = _whole_states(zopt, state, sized, pieces, flat.numel(), varying)
+        master = zopt.plan.masters[k]
+        whole = _whole_states(zopt, state, sized, master.param is not None, varying)
         for n, v in whole.items():
             tensors[f"optim.{n}.{k}"] = v.detach().reshape(-1)
             name = pieces[0][0]
@@ -300,8 +301,7 @@ def _collect_masters(
             logical.add(key, f"optim.{n}.{k}", v, (0, v.numel(), 0), v.shape)
         # A tensor of a whole-tensor param group may keep other states than its neighbours
         # (Muon's matrices a momentum, its AdamW half two moments): listed, each has its own.
-        one_tensor = len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][3] == flat.numel()
-        if whole or (one_tensor and zopt.plan.region_whole[zopt.plan.masters[k].region]):
+        if master.param is not None and (whole or zopt.plan.region_whole[master.region]):
             logical.whole_states[pieces[0][0]] = sorted([*sized, *whole])
         for name, start, offset, length in pieces:
             piece = (start, length, offset)
@@ -316,25 +316,23 @@ def _whole_states(
     zopt: Any,
     state: dict[str, Any],
     sized: dict[str, torch.Tensor],
-    pieces: list[tuple[str, int, int, int]],
-    numel: int,
+    one_parameter: bool,
     varying: set[str],
 ) -> dict[str, torch.Tensor]:
     """A master's optimizer states that are not per element and not one scalar per param group
     (Adafactor's factored moments; 1-bit Lamb's per-tensor coefficients, named in `varying`),
-    saved whole in their own shapes. Only a master that is one whole parameter can have them: the
-    shard plan steps such optimizers on whole tensors."""
+    saved whole in their own shapes. Only a master that is `one_parameter` whole can have them:
+    the shard plan steps such optimizers on whole tensors."""
     others = {
         n: v
         for n, v in state.items()
         if isinstance(v, torch.Tensor) and n not in sized and (v.dim() > 0 or n in varying)
     }
-    whole = len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][3] == numel
-    if others and not whole:
+    if others and not one_parameter:
         n, v = next(iter(others.items()))
         raise CheckpointError(
             f"{type(zopt.optimizer).__name__} keeps optimizer state '{n}' of shape "
-            f"{list(v.shape)} for a flat shard of {numel} elements: such a state cannot be cut "
+            f"{list(v.shape)} for a flat shard: such a state cannot be cut "
             "into parameters. Drop 'zero_allow_untested_optimizer' so that this optimizer is "
             "stepped on whole tensors"
         )
@@ -938,7 +936,6 @@ def _load_optimizer(
             f"the optimizer {len(groups)}"
         )
     state_names = sorted({n.split("/")[1] for n in source.names("optim/")})
-    shapes = dict(zip(zopt.param_names, zopt.layout.shapes))
     index = {id(m): i for i, m in enumerate(zopt.masters)}
     state: dict[int, dict[str, Any]] = {}
     flat_ids = []
@@ -953,14 +950,15 @@ def _load_optimizer(
                 n: torch.tensor(v) if isinstance(v, float) else v for n, v in scalars.items()
             }
             numel = zopt.master_numel(k)
+            param = zopt.plan.masters[k].param
             for n in state_names:
-                whole = _whole_state(source, f"optim/{n}/", pieces[k], numel, shapes)
-                if whole is not None:
-                    entry[n] = whole.to(master.device)
-                    continue
-                one_tensor = len(pieces[k]) == 1 and pieces[k][0][3] == numel
-                if one_tensor and f"optim/{n}/{pieces[k][0][0]}" not in source:
-                    continue  # a state other tensors keep (Adafactor's by shape, Muon's by half)
+                if param is not None:  # one whole parameter: its own states, in their shapes
+                    key = f"optim/{n}/{zopt.param_names[param]}"
+                    if key not in source:
+                        continue  # a state other tensors keep (Adafactor's by shape, Muon's by half)
+                    if source.shape(key) != source.shape(f"param/{zopt.param_names[param]}"):
+                        entry[n] = source.read_whole(key).view(source.shape(key)).to(master.device)
+                        continue
                 values = torch.zeros(numel, dtype=torch.float32)
                 for name, start, offset, length in pieces[k]:
                     if f"optim/{n}/{name}" in source:
@@ -985,24 +983,6 @@ def _load_optimizer(
             {**{k: v for k, v in group.items() if k != "params"}, **hyper, "params": ids}
         )
     zopt.load_optimizer_state({"state": state, "param_groups": param_groups})
-
-
-def _whole_state(
-    source: TensorSource,
-    prefix: str,
-    pieces: list[tuple[str, int, int, int]],
-    numel: int,
-    shapes: dict[str, Any],
-) -> torch.Tensor | None:
-    """A state saved whole in its own shape (see `_whole_states`) for a master that is one whole
-    parameter (`shapes`: each parameter's), or None when the state is per element (it has the
-    parameter's shape)."""
-    whole = len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][3] == numel
-    key = f"{prefix}{pieces[0][0]}" if whole else None
-    if key is None or key not in source:
-        return None
-    shape = tuple(source.shape(key))
-    return None if shape == tuple(shapes[pieces[0][0]]) else source.read_whole(key).view(shape)
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:

@@ -474,8 +474,13 @@ def scheduler_params(config: ShardSpeedConfig) -> tuple[str, StrictModel]:
 
 def tuning_report(config: ShardSpeedConfig) -> list[str]:
     """`key = value: what shardspeed does` for every layout or speed key set away from its
-    default whose intent shardspeed meets anyway (a field's `tuning_notes`)."""
-    return _tuning(config, ())
+    default whose intent shardspeed meets anyway (a field's `tuning_notes`), the optimizer's
+    typed params included."""
+    lines = _tuning(config, ())
+    if config.optimizer is not None:
+        _, params = optimizer_params(config)
+        lines += _tuning(params, ("optimizer", "params"))
+    return lines
 
 
 def _tuning(model: BaseModel, loc: tuple) -> list[str]:

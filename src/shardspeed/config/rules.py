@@ -101,6 +101,27 @@ RULES: tuple[Rule, ...] = (
     _zero_plus_plus_below_stage_3("zero_quantized_gradients", False),
     _zero_plus_plus_below_stage_3("zero_hpz_partition_size", 1),
     Rule(
+        "qgZ replaces the gradient reduce-scatter",
+        "zero_optimization.zero_quantized_gradients",
+        lambda config, facts: (
+            config.zero_optimization.zero_quantized_gradients
+            and (
+                not config.zero_optimization.reduce_scatter
+                or config.communication_data_type is not None
+            )
+        ),
+        lambda config, facts: (
+            "'zero_optimization.zero_quantized_gradients' sends each gradient piece to its owner "
+            "as int4 blocks in place of the reduce-scatter, so "
+            + (
+                "'zero_optimization.reduce_scatter' false (whole buckets all-reduced) "
+                if not config.zero_optimization.reduce_scatter
+                else f"'communication_data_type' {config.communication_data_type!r} "
+            )
+            + "would change nothing: remove one of the two keys"
+        ),
+    ),
+    Rule(
         "hpZ nodes divide the ZeRO group",
         "zero_optimization.zero_hpz_partition_size",
         lambda config, facts: (

@@ -78,8 +78,12 @@ _ELEMENTWISE_OPTIMIZERS = (
 
 
 # Optimizers whose update of an element depends on its whole tensor (a trust ratio, factored
-# moments), by class name: transformers' and torch's Adafactor, apex's and DeepSpeed's Lamb.
-_PER_TENSOR_OPTIMIZERS = frozenset({"Adafactor", "Lamb", "FusedLamb", "LAMB", "LARS", "Lars"})
+# moments), by class name: transformers' and torch's Adafactor, DeepSpeed's FusedLamb, apex's
+# FusedLAMB, bitsandbytes' LAMB and LARS, torch-optimizer's Lamb and Lars. shardspeed's own say
+# so with `needs_whole_tensors`.
+_PER_TENSOR_OPTIMIZERS = frozenset(
+    {"Adafactor", "FusedLamb", "FusedLAMB", "LAMB", "LARS", "Lamb", "Lars"}
+)
 
 
 def _whole_tensor_groups(
