@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -216,7 +217,7 @@ def train_with_inf(precision: dict) -> dict:
         },
     )
     dtype = next(model.parameters()).dtype
-    snapshots, lrs, scales = [], [], []
+    snapshots, lrs, scales, norms = [], [], [], []
     for step in range(4):
         x, y = batch(step)
         xs, ys = x[engine.global_rank * 4 :][:4].clone(), y[engine.global_rank * 4 :][:4]
@@ -227,7 +228,9 @@ def train_with_inf(precision: dict) -> dict:
         snapshots.append([p.detach().float().clone() for p in model.parameters()])
         lrs.append(engine.get_lr()[0])
         scales.append(engine.loss_scale)
+        norms.append(engine.get_global_grad_norm())
     return {
+        "norms": norms,
         "snapshots": snapshots,
         "lrs": lrs,
         "scales": scales,
@@ -245,6 +248,9 @@ def test_injected_inf_skips_the_step_on_all_ranks(pool2):
         assert all(a.equal(b) for a, b in zip(snaps[1], snaps[2])), "step 2 changed the weights"
         assert not all(a.equal(b) for a, b in zip(snaps[2], snaps[3]))
         assert result["scales"] == [2.0**16, 2.0**16, 2.0**15, 2.0**15]
+        # DeepSpeed's reported norm of a skipped step is inf (the inf input makes it NaN here).
+        assert result["norms"][2] == math.inf
+        assert all(math.isfinite(n) for i, n in enumerate(result["norms"]) if i != 2)
         # The scheduler does not step on a skipped step: lr after step 2 equals lr after step 1.
         assert result["lrs"][1] == result["lrs"][2] < result["lrs"][3]
         assert result["applied_last"]
@@ -261,6 +267,7 @@ def test_hysteresis_keeps_scale_on_first_overflow(pool2):
 def test_bf16_check_grad_overflow_skips(pool2):
     results = pool2.run(train_with_inf, {"bf16": {"enabled": True, "check_grad_overflow": True}})
     assert [r["skipped"] for r in results] == [1, 1]
+    assert [r["norms"][2] for r in results] == [math.inf, math.inf]
 
 
 def test_nonfinite_gradient_in_fp32_stops_with_the_parameter_named(pool2):

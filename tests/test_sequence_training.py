@@ -197,6 +197,82 @@ def test_sequence_parallel_training_equals_whole_sequence_training(
         assert norms == pytest.approx(expected_norms, rel=1e-5)
 
 
+def train_with_loss(entry: str, loss_form: str, said: str | None) -> tuple[list, list] | str:
+    """Ulysses at sp 2 on 2 ranks, set up through `mesh_param` or the `mpu` that
+    register_with_transformers returns, with the loss each rank backpropagates either its part
+    (sharded) or the whole, all-gathered differentiably as DeepSpeed's ALST tutorial does
+    (replicated); `said`: the config's 'sequence_parallel.loss'. Parameters and norms, or the
+    error initialize's engine raised."""
+    from torch.distributed.nn.functional import all_gather
+
+    from shardspeed.runtime.sequence_parallel import parallel_state_sp
+
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
+        "zero_optimization": {"stage": 1},
+        "gradient_clipping": 0.0,
+    }
+    if said is not None:
+        config["sequence_parallel"] = {"loss": said}
+    if entry == "mpu":
+        parallel_state_sp.initialize_sequence_parallel(2)
+        group = parallel_state_sp.get_sequence_parallel_group()
+        setup = {"mpu": parallel_state_sp}
+    else:
+        group = comm.Topology.build(sequence_parallel=2).get_sequence_parallel_group()
+        setup = {"mesh_param": (1, 2)}
+    model = TinyGPT("ulysses", group)
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config, **setup
+    )
+    rank = comm.get_rank()
+    own = [loader_batch(rank, i) for i in range(STEPS // 2)]
+    adapter = UlyssesSPDataLoaderAdapter(own, rank, group, 2, "cpu")
+    norms = []
+    try:
+        for _, batch in zip(range(STEPS), adapter):
+            logits = engine(batch["input_ids"], batch["position_ids"])
+            loss = shard_cross_entropy(logits, batch["shift_labels"], group)
+            if loss_form == "replicated":
+                loss = sum(all_gather(loss, group=group))
+            engine.backward(loss)
+            engine.step()
+            norms.append(engine.get_global_grad_norm())
+    except shardspeed.ConfigError as error:
+        return str(error)
+    return [p.detach().clone() for p in model.parameters()], norms
+
+
+@pytest.mark.parametrize("entry", ["mesh_param", "mpu"])
+@pytest.mark.parametrize(
+    ("loss_form", "said"),
+    [("sharded", None), ("replicated", None), ("replicated", "replicated")],
+)
+def test_the_loss_convention_is_read_from_the_first_loss(pool2, entry, loss_form, said):
+    """Whichever way the loss is spread over the sequence ranks, a config that says nothing (or
+    says the same) trains like whole sequences: the same parameters and the same gradient norm
+    at every step (a replicated loss reduced as a sharded one would double both)."""
+    expected, expected_norms = reference(1, 2)
+    for params, norms in pool2.run(train_with_loss, entry, loss_form, said):
+        assert_close_relative(params, expected, 5e-5)
+        assert norms == pytest.approx(expected_norms, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("entry", "loss_form", "said"),
+    [("mesh_param", "replicated", "sharded"), ("mpu", "sharded", "replicated")],
+)
+def test_a_loss_convention_the_loss_contradicts_stops_the_run(pool2, entry, loss_form, said):
+    for message in pool2.run(train_with_loss, entry, loss_form, said):
+        assert f"'sequence_parallel.loss' is '{said}', but the loss handed to backward()" in (
+            message
+        )
+        assert f"Set 'sequence_parallel.loss' to '{loss_form}' or leave it out" in message
+        seen = "the same value on every" if loss_form == "replicated" else "a different value"
+        assert seen in message
+
+
 def test_the_slice_is_cut_after_the_labels_are_shifted():
     batch = {
         "input_ids": torch.arange(8).view(1, 8),

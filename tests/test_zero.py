@@ -3,6 +3,7 @@ memory held per rank against the ZeRO paper's formulas, and the bytes each step 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -96,7 +97,7 @@ def inf_on_rank1(stage: int) -> dict:
         model_parameters=model.parameters(),
         config={**config(4), **STAGES[stage], "fp16": {"enabled": True, "hysteresis": 1}},
     )
-    scales, weights = [], []
+    scales, weights, norms = [], [], []
     for step in range(3):
         x, y = batch(step)
         xs = x[engine.global_rank * 4 :][:4].clone()
@@ -105,16 +106,29 @@ def inf_on_rank1(stage: int) -> dict:
         engine.backward(F.mse_loss(engine(xs.half()).float(), y[engine.global_rank * 4 :][:4]))
         engine.step()
         scales.append(engine.loss_scale)
+        norms.append(engine.get_global_grad_norm())
         with shardspeed.zero.GatheredParameters(model[0].weight):
             weights.append(model[0].weight.detach().float().clone())
-    return {"scales": scales, "skipped": engine.skipped_steps, "same": weights[0].equal(weights[1])}
+    finite = [math.isfinite(n) for n in norms]
+    return {
+        "scales": scales,
+        "skipped": engine.skipped_steps,
+        "same": weights[0].equal(weights[1]),
+        "norms": (finite[0], norms[1], finite[2]),
+    }
 
 
 @pytest.mark.parametrize("stage", ["s1", "s2", "s3"])
 def test_inf_on_one_rank_skips_everywhere(pool2, stage):
     results = pool2.run(inf_on_rank1, stage)
     for result in results:
-        assert result == {"scales": [2.0**16, 2.0**15, 2.0**15], "skipped": 1, "same": True}
+        # The skipped step's reported norm is inf, as DeepSpeed's; the others are finite.
+        assert result == {
+            "scales": [2.0**16, 2.0**15, 2.0**15],
+            "skipped": 1,
+            "same": True,
+            "norms": (True, math.inf, True),
+        }
 
 
 # -- memory and traffic -------------------------------------------------------------------------

@@ -23,9 +23,11 @@ from .comm import (
     inference_all_reduce,
     init_distributed,
     is_initialized,
+    mark_step,
     reduce,
     reduce_scatter_tensor,
     reset_comm_volume,
+    set_same_call_check,
     use_collective_timeout,
 )
 from .logger import CommsLogger, comms_logger, configure_comms_logger, log_summary, reset_log
@@ -60,9 +62,11 @@ __all__ = [
     "init_distributed",
     "is_initialized",
     "log_summary",
+    "mark_step",
     "reduce",
     "reduce_scatter_tensor",
     "reset_comm_volume",
     "reset_log",
+    "set_same_call_check",
     "use_collective_timeout",
 ]

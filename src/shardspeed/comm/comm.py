@@ -3,11 +3,23 @@ failed collective say which rank stopped where.
 
 Everything goes through torch.distributed (gloo on CPU, NCCL on CUDA). The wrappers exist so that
 every room reports its traffic the same way; on success they add counters to the collective itself
-(and, while the comms logger is on, its timing: `logger.py`) and, on gloo, a small all-gather of
-what each rank is about to call. Each wrapped collective takes this process's next sequence
-number. When one raises (or its work's `wait()` does), or the ranks are about to call different
-collectives, the rank publishes where it stopped to the default group's store, reads what its peers
-published for a few seconds, and raises `CollectiveError` saying both.
+(and, while the comms logger is on, its timing: `logger.py`). Each wrapped collective takes this
+process's next sequence number. When one raises (or its work's `wait()` does), or the ranks are
+about to call different collectives, the rank publishes where it stopped to the default group's
+store, reads what its peers published for a few seconds, and raises `CollectiveError` saying both.
+
+The same-call check (gloo groups of more than one rank; config 'comms_same_call_check'): gloo
+aborts the process when ranks call collectives of different sizes in the same slot, before any
+error reaches Python. So each call is first compared across the group, at one of two costs:
+
+- call by call: a small blocking all-gather of (operation, size, dtype, root, number) before it;
+- along an agreed sequence: once the engine's steps (`mark_step`) repeat the same calls in a group,
+  two steps running, the next checked call also carries a digest of that sequence; when every rank
+  offered the same one, the ranks follow it without exchanging anything, each comparing its calls
+  with the sequence. A rank whose call departs from it compares notes with the others through the
+  store, not the group (they may be inside the expected collective): when all departed alike (an
+  evaluation, a checkpoint), checking goes back to call by call; otherwise the departing rank
+  raises `CollectiveError` within seconds, and the others' collective fails as it exits.
 
 The collective timeout: `init_distributed(timeout=)`, else the config's `comms_timeout_s` (applied
 at `initialize`), else the timeout of a process group that other code started, else
@@ -17,8 +29,10 @@ at `initialize`), else the timeout of a process group that other code started, e
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
+import math
 import os
 import time
 import traceback
@@ -34,6 +48,7 @@ import torch.distributed as dist
 from ..common.net import free_port, port_is_free
 from ..config.errors import ConfigError
 from .logger import comms_logger
+from .teardown import close_at_exit
 
 ReduceOp = dist.ReduceOp
 # torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
@@ -53,24 +68,43 @@ _DTYPES = sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dt
 _DTYPE_CODES = {name: code for code, name in enumerate(_DTYPES)}
 
 
+# A call as the same-call check compares it: (operation, elements, dtype, root).
+Call = tuple[int, int, int, int]
+
+
 class _GroupState:
     """What the wrappers keep per process group: whether its calls are checked first (gloo and
-    more than one rank: see `_run`) and how many wrapped collectives this process called in it."""
+    more than one rank: see the module docstring), how many wrapped collectives this process
+    called in it, and the sequence of calls the ranks agreed to follow (`cycle`, at `position`)
+    or the steps' calls that may lead to one."""
 
-    __slots__ = ("calls", "checked")
+    __slots__ = ("calls", "checked", "cycle", "offer", "position", "previous", "step_calls")
 
     def __init__(self, group: Any) -> None:
         try:
-            self.checked = dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1
+            gloo = dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1
         except ValueError:  # this rank is not in the group: torch skips the call
-            self.checked = False
+            gloo = False
+        self.checked = gloo and _same_call_check
         self.calls = 0
+        self.step_calls: list[Call] = []  # checked calls since the last step boundary
+        self.previous: tuple[Call, ...] = ()  # the last step's, each checked across the ranks
+        self.offer: tuple[Call, ...] | None = None  # offered to the others at the next check
+        self.cycle: tuple[Call, ...] | None = None  # agreed by every rank: followed unchecked
+        self.position = 0
+
+    def learn(self, call: Call) -> None:
+        """Forget any agreed sequence: check call by call from `call` on."""
+        self.cycle, self.offer, self.previous, self.step_calls = None, None, (), [call]
 
 
 # Weak keys: a destroyed group's state goes with it, and a new group never inherits it.
 _groups: weakref.WeakKeyDictionary[Any, _GroupState] = weakref.WeakKeyDictionary()
 
+_same_call_check = True  # the config's 'comms_same_call_check'
+_steps_marked = False  # the engine marks its steps (`mark_step`): steps' calls are recorded
 _STALL_KEY = "shardspeed/stalled/{}"  # + global rank, in the default group's store
+_DEPARTURE_KEY = "shardspeed/departed/{}/{}/{{}}"  # group, call number; + global rank
 _GRACE_S = 5.0  # longest wait for the peers' records (at most the group timeout)
 _SHOWN_PEERS = 8  # peers described one by one; the rest are summed up
 _HERE = os.path.abspath(__file__)
@@ -85,6 +119,7 @@ _ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 _EXPLICIT = "init_distributed(timeout=)"
 _CONFIG_KEY = "comms_timeout_s"
+_CHECK_KEY = "comms_same_call_check"
 _SOURCES = (  # where a timeout came from, highest precedence first
     _EXPLICIT,
     f"config '{_CONFIG_KEY}'",
@@ -132,6 +167,8 @@ def init_distributed(
     global _started, _applied
     del auto_mpi_discovery, verbose, config
     if dist_init_required is False or dist.is_initialized():
+        if dist.is_initialized():
+            close_at_exit()  # a group other code started is closed at exit too
         return
     backend = dist_backend or default_backend()
     source = _EXPLICIT
@@ -176,6 +213,7 @@ def init_distributed(
             world_size=int(os.environ["WORLD_SIZE"]),
         )
     dist.init_process_group(**kwargs)
+    close_at_exit()  # see teardown.py: a script that ends without destroying it could abort
     world = weakref.ref(dist.group.WORLD)
     _started, _applied = (world, timeout, source), (world, timeout)
 
@@ -210,13 +248,17 @@ def collective_timeout() -> datetime.timedelta | None:
     return None if applied is None else applied[0]
 
 
-def use_collective_timeout(config_seconds: float | None) -> datetime.timedelta | None:
-    """Settle the collective timeout at `initialize` and apply it to every process group.
+def use_collective_timeout(
+    config_seconds: float | None, same_call_check: bool = True
+) -> datetime.timedelta | None:
+    """Settle the collective timeout and the same-call check at `initialize` and apply them to
+    every process group.
 
     `config_seconds` is the config's `comms_timeout_s` (None: not set). It replaces the timeout
-    the default group started with unless that was `init_distributed(timeout=)`. The ranks must
-    agree: each one's value is all-gathered, and a difference raises `ConfigError` naming them.
-    Returns the timeout applied (None without a process group).
+    the default group started with unless that was `init_distributed(timeout=)`.
+    `same_call_check` is the config's `comms_same_call_check`. The ranks must agree: each one's
+    values are all-gathered, and a difference raises `ConfigError` naming them. Returns the
+    timeout applied (None without a process group).
     """
     global _applied
     if not dist.is_initialized():
@@ -237,26 +279,36 @@ def use_collective_timeout(config_seconds: float | None) -> datetime.timedelta |
             )
         elif source != _EXPLICIT:
             timeout, source = wanted, _SOURCES[1]
-    _check_ranks_agree(timeout, source)
+    _check_ranks_agree(timeout, source, same_call_check)
     _applied = (weakref.ref(dist.group.WORLD), timeout)
     _apply_timeout(timeout)
+    if same_call_check != _same_call_check:
+        set_same_call_check(same_call_check)  # every rank here, after the same collectives
     return timeout
 
 
-def _check_ranks_agree(timeout: datetime.timedelta, source: str) -> None:
+def _check_ranks_agree(timeout: datetime.timedelta, source: str, same_call_check: bool) -> None:
     world = get_world_size()
     if world == 1:
         return
     mine = torch.tensor(
-        [timeout.total_seconds(), float(_SOURCES.index(source))], dtype=torch.float64
+        [timeout.total_seconds(), float(_SOURCES.index(source)), float(same_call_check)],
+        dtype=torch.float64,
     )
-    everyone = torch.empty(2 * world, dtype=torch.float64)
+    everyone = torch.empty(3 * world, dtype=torch.float64)
     all_gather_into_tensor(everyone, mine)
-    pairs = everyone.view(world, 2).tolist()
-    if len({seconds for seconds, _ in pairs}) == 1:
+    rows = everyone.view(world, 3).tolist()
+    checks = [bool(check) for _, _, check in rows]
+    if len(set(checks)) != 1:
+        on = [rank for rank, check in enumerate(checks) if check]
+        raise ConfigError(
+            f"'{_CHECK_KEY}': the ranks disagree ({_ranks(on)}: true; the others: false): give "
+            "every rank the same config"
+        )
+    if len({seconds for seconds, _, _ in rows}) == 1:
         return
     found: dict[tuple[float, int], list[int]] = {}
-    for rank, (seconds, index) in enumerate(pairs):
+    for rank, (seconds, index, _) in enumerate(rows):
         found.setdefault((seconds, int(index)), []).append(rank)
     values = "; ".join(
         f"{_ranks(ranks)}: {seconds:g} s ({_SOURCES[index]})"
@@ -404,10 +456,15 @@ def _run(
     state.calls += 1
     if state.checked:
         # gloo aborts the process (SIGABRT, "Received data size doesn't match") when ranks call
-        # collectives of different sizes in the same slot, before any error reaches Python. One
-        # small blocking all-gather of what each rank is about to call turns that into this
-        # error, and a skipped or reordered collective into one at once rather than at timeout.
-        _check_same_call(name, seq, group, payload, root, state.calls)
+        # collectives of different sizes in the same slot, before any error reaches Python: see
+        # the module docstring for how calls are compared first.
+        made = _call(name, payload, root)
+        if state.cycle is None:
+            _check_same_call(state, made, name, seq, group)
+        elif made == state.cycle[state.position]:
+            state.position = (state.position + 1) % len(state.cycle)
+        else:
+            _agree_on_departure(state, made, name, seq, group)
     timing = comms_logger.start(name, nbytes, group) if comms_logger.enabled else None
     try:
         work = call(*args, group=group, async_op=async_op, **kwargs)
@@ -420,37 +477,129 @@ def _run(
     return work
 
 
-def _check_same_call(
-    name: str, seq: int, group: Any, payload: torch.Tensor | None, root: int, number: int
-) -> None:
-    """Raise `CollectiveError` unless every rank of `group` is about to make the same call: the
-    same operation, size, dtype and root, as the same (`number`-th) wrapped call in the group."""
-    numel, dtype = (
-        (0, -1) if payload is None else (payload.numel(), _DTYPE_CODES[str(payload.dtype)])
+def _call(name: str, payload: torch.Tensor | None, root: int) -> Call:
+    if payload is None:
+        return (_OPS.index(name), 0, -1, root)
+    return (_OPS.index(name), payload.numel(), _DTYPE_CODES[str(payload.dtype)], root)
+
+
+def _digest(calls: tuple[Call, ...] | None) -> int:
+    """A sequence of calls as one int64 that ranks can compare (0: none offered)."""
+    if not calls:
+        return 0
+    value = int.from_bytes(
+        hashlib.blake2b(repr(calls).encode(), digest_size=8).digest(), "little", signed=True
     )
-    mine = torch.tensor([_OPS.index(name), numel, dtype, root, number])
+    return value or 1
+
+
+def _check_same_call(state: _GroupState, call: Call, name: str, seq: int, group: Any) -> None:
+    """Raise `CollectiveError` unless every rank of `group` is about to make the same call: the
+    same operation, size, dtype and root, as the same wrapped call in the group. The exchange
+    also carries each rank's offered sequence: every rank offering the same one starts following
+    it (from this call, its first)."""
+    offer = state.offer
+    state.offer = None
+    mine = torch.tensor([*call, state.calls, _digest(offer)])
     size = dist.get_world_size(group)
     everyone = torch.empty(size * mine.numel(), dtype=mine.dtype)
     try:
         _all_gather_single(everyone, mine, group=group)
     except RuntimeError as exc:  # a rank that never comes: gloo's timeout
         raise _collective_error(name, seq, group, exc, None) from exc
-    calls = [tuple(row) for row in everyone.view(size, -1).tolist()]
-    if len(set(calls)) == 1:
-        return
+    rows = [tuple(row) for row in everyone.view(size, -1).tolist()]
+    calls = [row[:5] for row in rows]
+    if len(set(calls)) != 1:
+        _raise_different_calls(dict(zip(_members(group) or range(size), calls)), name, seq, group)
+    if offer is not None and {row[5] for row in rows} == {_digest(offer)} and call == offer[0]:
+        state.cycle, state.position = offer, 1 % len(offer)
+    elif _steps_marked:
+        state.step_calls.append(call)
+
+
+def _raise_different_calls(
+    calls: dict[int, tuple[int, ...]], name: str, seq: int, group: Any
+) -> None:
+    """Raise the error for ranks (global rank -> (call..., number)) about to call different
+    collectives."""
     by_call: dict[tuple[int, ...], list[int]] = {}
-    members = _members(group) or list(range(size))  # group ranks if torch cannot say
-    for index, call in enumerate(calls):
-        by_call.setdefault(call, []).append(members[index])
+    for rank, call in calls.items():
+        by_call.setdefault(call, []).append(rank)
     described = "; ".join(f"{_ranks(ranks)}: {_describe(call)}" for call, ranks in by_call.items())
     mismatch = RuntimeError(f"the ranks called different collectives: {described}")
     raise _collective_error(name, seq, group, mismatch, None) from None
 
 
+def _agree_on_departure(state: _GroupState, call: Call, name: str, seq: int, group: Any) -> None:
+    """This rank's call departs from the agreed sequence. The ranks compare notes through the
+    store (the others may already be inside the expected collective): when every rank departed
+    with the same call, checking goes back to call by call; otherwise raise `CollectiveError`."""
+    expected = state.cycle[state.position] if state.cycle else call
+    rank = dist.get_rank()
+    members = _members(group) or [rank]
+    peers = [r for r in members if r != rank]
+    timeout = _group_timeout()
+    grace = min(_GRACE_S, timeout) if timeout else _GRACE_S
+    key = _DEPARTURE_KEY.format(_group_id(group), state.calls)
+    record = {"rank": rank, "call": [*call, state.calls], "time": time.time()}
+    found, problem = _exchange(record, peers, grace, math.inf, key)
+    theirs = {peer: tuple(found[peer]["call"]) for peer in found}
+    mine = (*call, state.calls)
+    if len(theirs) == len(peers):
+        if all(other == mine for other in theirs.values()):
+            state.learn(call)
+            return
+        _raise_different_calls({rank: mine, **theirs}, name, seq, group)
+    silent = [r for r in peers if r not in theirs]
+    why = f"the store could not be used ({problem})" if problem else f"within {grace:g} s"
+    departure = RuntimeError(
+        f"this rank called {_describe(mine)} where the earlier steps, agreed by every rank, call "
+        f"{_describe((*expected, state.calls))}; {_ranks(silent)} did not reach this call "
+        f"{why}: they are in the expected collective or elsewhere (a data-dependent branch or "
+        "a skipped call on this rank?)"
+    )
+    raise _collective_error(name, seq, group, departure, None, ask_peers=False) from None
+
+
+def _group_id(group: Any) -> str:
+    """A name of `group` that every member computes alike."""
+    group = dist.group.WORLD if group is None else group
+    name = getattr(group, "group_name", None)
+    return name or "-".join(map(str, _members(group) or []))
+
+
+def mark_step() -> None:
+    """The engine's step boundary. In each checked group, a step that made exactly the calls of
+    the step before (both checked call by call) is offered to the others as the sequence to
+    follow; see the module docstring."""
+    global _steps_marked
+    _steps_marked = True
+    for state in list(_groups.values()):
+        if not state.checked or state.cycle is not None:
+            continue
+        calls, state.step_calls = tuple(state.step_calls), []
+        if not calls:
+            continue  # not used this step: its steps are the ones that use it
+        if calls == state.previous:
+            state.offer = calls
+        state.previous = calls
+
+
+def set_same_call_check(enabled: bool) -> None:
+    """Turn the same-call check on or off for every group (the config's
+    'comms_same_call_check'); every rank must do the same, at the same point."""
+    global _same_call_check
+    _same_call_check = enabled
+    for group, state in list(_groups.items()):
+        fresh = _GroupState(group)
+        state.checked, state.cycle, state.offer = fresh.checked, None, None
+        state.previous, state.step_calls = (), []
+
+
 def _describe(call: tuple[int, ...]) -> str:
     op, numel, dtype, root, number = call
     text = _OPS[op]
-    if op != _OPS.index("barrier"):
+    if op != _OPS.index("barrier") and dtype >= 0:  # dtype -1: sizes that may differ by rank
         text += f" of {numel} {_DTYPES[dtype].removeprefix('torch.')} element"
         text += "" if numel == 1 else "s"
     if root >= 0:
@@ -550,9 +699,14 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _exchange(
-    record: dict[str, Any], peers: list[int], grace: float, max_age: float
+    record: dict[str, Any],
+    peers: list[int],
+    grace: float,
+    max_age: float,
+    key: str = _STALL_KEY,
 ) -> tuple[dict[int, dict[str, Any]], str | None]:
-    """Publish this rank's record, then collect the peers' for up to `grace` seconds.
+    """Publish this rank's record under `key` (formatted with a rank), then collect the peers'
+    for up to `grace` seconds.
 
     Returns the records found, by rank, and what went wrong with the store, if anything. The store
     is private torch API and its host may be gone, so any failure only ends the exchange early.
@@ -565,15 +719,15 @@ def _exchange(
             store.set_timeout(datetime.timedelta(seconds=grace + 1))
         except Exception:
             pass
-        store.set(_STALL_KEY.format(record["rank"]), json.dumps(record))
+        store.set(key.format(record["rank"]), json.dumps(record))
         deadline = time.monotonic() + grace
         pause = 0.05 * max(1.0, len(peers) / 16)  # keeps a large group from flooding the store
         while True:
             for peer in peers:
-                key = _STALL_KEY.format(peer)
+                theirs_key = key.format(peer)
                 # check() does not block, and get() of a present key returns at once.
-                if peer not in found and store.check([key]):
-                    theirs = json.loads(store.get(key))
+                if peer not in found and store.check([theirs_key]):
+                    theirs = json.loads(store.get(theirs_key))
                     if time.time() - theirs["time"] <= max_age:  # not left from an older failure
                         found[peer] = theirs
             if len(found) == len(peers) or time.monotonic() >= deadline:
@@ -584,9 +738,15 @@ def _exchange(
 
 
 def _collective_error(
-    op: str, seq: int, group: Any, exc: BaseException, waited: float | None
+    op: str,
+    seq: int,
+    group: Any,
+    exc: BaseException,
+    waited: float | None,
+    ask_peers: bool = True,
 ) -> CollectiveError:
-    """Build the error for this rank's failed collective #`seq`, after trading records with peers."""
+    """Build the error for this rank's failed collective #`seq`, after trading records with peers
+    (without `ask_peers`, only publishing this rank's, for the peers' own errors)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     members = _members(group) or [rank]
     peers = [r for r in members if r != rank]
@@ -604,8 +764,9 @@ def _collective_error(
         grace = min(_GRACE_S, timeout) if timeout else _GRACE_S
         record = {"rank": rank, "op": op, "seq": seq, "where": where, "time": time.time()}
         max_age = (timeout or 1800.0) + grace + 10.0
-        found, problem = _exchange(record, peers, grace, max_age)
-        lines += _peer_lines(op, seq, peers, found, grace, problem)
+        found, problem = _exchange(record, peers if ask_peers else [], grace, max_age)
+        if ask_peers:
+            lines += _peer_lines(op, seq, peers, found, grace, problem)
     return CollectiveError("\n  ".join(lines))
 
 

@@ -662,9 +662,9 @@ class SequenceParallelConfig(StrictModel):
     rank's loss is its slice's part, the parts add up to the whole; gradients are summed over the
     sequence ranks, as DeepSpeed does) or replicated (every rank holds the whole loss, gathered
     with a differentiable all-gather as transformers' Trainer and accelerate compute it; gradients
-    are averaged over the sequence ranks). Left out, it is replicated when the run was set up by
-    `UlyssesSPAttentionHF.register_with_transformers` and sharded otherwise. `enabled` false turns
-    the section off."""
+    are averaged over the sequence ranks). Left out, the engine reads it from the loss handed to
+    the first backward (the same value on every sequence rank: replicated); given, that first
+    loss must agree or the run stops naming this key. `enabled` false turns the section off."""
 
     enabled: bool = True
     size: PositiveInt | None = None
@@ -750,6 +750,14 @@ class ShardSpeedConfig(StrictModel):
         "same on every rank or refused. Precedence: init_distributed(timeout=) > this key > the "
         "timeout of a process group other code started > DEEPSPEED_TIMEOUT (minutes) > 600 s "
         "(DeepSpeed's default). A shardspeed key: DeepSpeed has none and ignores it",
+    )
+    comms_same_call_check: bool = Field(
+        True,
+        description="on gloo, compare each collective across the ranks before it runs, so that "
+        "ranks calling different collectives stop with an error naming both instead of gloo "
+        "aborting the process; once the steps repeat it costs nothing per call (see "
+        "docs/architecture.md, 'The same-call check'). false skips it. A shardspeed key: "
+        "DeepSpeed has none and ignores it",
     )
     dataloader_drop_last: bool = False
     zero_allow_untested_optimizer: bool = False

@@ -104,18 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def close_process_group() -> None:
-    """Tear down the default process group a finished script left open, once every rank is done.
+    """Close the process groups a finished script left open, once every rank is done (bounded):
+    see `shardspeed.comm.teardown`, which also runs at exit for scripts started any other way."""
+    from shardspeed.comm.teardown import close
 
-    Scripts written for DeepSpeed rarely call ``destroy_process_group``; then the group is destroyed
-    during interpreter shutdown, when its threads can be torn down in the wrong order and abort the
-    process ("terminate called without an active exception") after the script succeeded. The barrier
-    keeps rank 0, which hosts the rendezvous store, alive until the others are done with it.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    close()
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ def _configure(
         return topology.dp_world_size
 
     run_config = load_config(config_dict, data_parallel_size)
-    comm.use_collective_timeout(run_config.comms_timeout_s)
+    comm.use_collective_timeout(run_config.comms_timeout_s, run_config.comms_same_call_check)
     groups.use_topology(topology)
     use_plan(SequencePlan.from_config(run_config))
     return run_config, topology, autotp_size
@@ -166,9 +166,8 @@ def _with_mesh_param(config_dict: dict[str, Any], mesh_param: Any) -> dict[str, 
 
 def _with_sequence_mpu(config_dict: dict[str, Any], mpu: Any) -> dict[str, Any]:
     """With the mpu that `UlyssesSPAttentionHF.register_with_transformers` returns: the config
-    with its sequence-parallel size written in (refusing one that says otherwise) and, unless the
-    config says otherwise, the loss as transformers and accelerate compute it under sequence
-    parallelism: the whole loss on every sequence rank ('sequence_parallel.loss' replicated)."""
+    with its sequence-parallel size written in (refusing one that says otherwise). How the loss
+    is spread over the sequence ranks is read from the loss at the first step."""
     if mpu is not parallel_state_sp:
         return config_dict
     size = mpu.get_sequence_parallel_world_size()
@@ -180,9 +179,6 @@ def _with_sequence_mpu(config_dict: dict[str, Any], mpu: Any) -> dict[str, Any]:
             "them agree or leave the key out"
         )
     merged["sequence_parallel_size"] = size
-    section = merged.get("sequence_parallel") or {}
-    if isinstance(section, dict):
-        merged["sequence_parallel"] = {"loss": "replicated", **section}
     return merged
 
 

@@ -24,7 +24,7 @@ from ..checkpoint import load_engine, save_engine
 from ..checkpoint import lock as checkpoint_lock
 from ..checkpoint.sixteen_bit import consolidated_state_dict, save_16bit_model, stream_weights
 from ..checkpoint.values import all_gather_json
-from ..comm import Topology, configure_comms_logger, get_local_rank
+from ..comm import Topology, configure_comms_logger, get_local_rank, mark_step
 from ..common.observer import EngineComponent, StepObserver
 from ..config import (
     RunFacts,
@@ -61,6 +61,7 @@ from ..zero.accounting import memory_breakdown
 from ..zero.init import materialize
 from ..zero.plan import replica_ties
 from .dataloader import DistributedDataLoader
+from .sequence_parallel.ulysses_sp import SequenceLoss
 
 logger = logging.getLogger("shardspeed")
 
@@ -159,6 +160,12 @@ class ShardSpeedEngine(nn.Module):
         if self.basic_optimizer is not None:
             check_param_groups(self.basic_optimizer.param_groups)
         self.optimizer = self._wrap_optimizer(self.basic_optimizer)
+        # Under sequence parallelism the first loss tells how gradients must be reduced.
+        self._sequence_loss = (
+            SequenceLoss(config.sequence_parallel.loss, topology, self.optimizer)
+            if self.optimizer is not None and topology.sp_world_size > 1
+            else None
+        )
         self.lr_scheduler = _client_scheduler(lr_scheduler, config, self.basic_optimizer)
         if training_data is not None:
             check_training_data(training_data, self.train_batch_size())
@@ -374,6 +381,8 @@ class ShardSpeedEngine(nn.Module):
         # The one place the optimizer learns whether this micro-step's gradients are averaged:
         # just before autograd runs, after whatever changed the window (boundary, no_sync,
         # batch size). 1-bit / 0-1 Adam past its warm-up averages its own momentum instead.
+        if self._sequence_loss is not None and self._sequence_loss.settle(loss):
+            self._sequence_loss = None
         basic = self.basic_optimizer
         local = isinstance(basic, CompressedOptimizer) and basic.communicates_gradients()
         reduces = self.is_gradient_accumulation_boundary() and not self._in_no_sync and not local
@@ -411,6 +420,7 @@ class ShardSpeedEngine(nn.Module):
             self.skipped_steps += 1
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        mark_step()  # steps that repeat their collectives let the same-call check step aside
         for observer in self.observers:
             observer.after_step(self)
 

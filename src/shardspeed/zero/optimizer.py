@@ -31,7 +31,7 @@ import contextlib
 import math
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -168,6 +168,7 @@ class ZeroOptimizer:
 
     def _watch_gradients(self, reduce: ReduceOptions) -> None:
         """The reducer, and the hooks that hand it (or the arrivals tracker) each gradient."""
+        self.reduce_options = reduce
         # Stages 2 and 3 take gradients through the reducer's buckets even on one rank.
         sharded_grads = self.dp_world_size > 1 or self.stage >= 2
         self.reducer = _build_reducer(self.plan, self.stores, reduce) if sharded_grads else None
@@ -196,6 +197,16 @@ class ZeroOptimizer:
         self._hooks = []
         self.stores.states.close()
         self.stores.params.close()
+
+    def set_sequence_split(self, ranks: int) -> None:
+        """Say how many ranks of the data group split one sequence (`ReduceOptions.
+        sequence_parallel`: their gradients are summed, the rest averaged). For a setting learnt
+        from the first loss: call it before that backward, while no reduction is in flight."""
+        self.reduce_options = replace(self.reduce_options, sequence_parallel=ranks)
+        if self.reducer is not None:
+            data = self.plan.places[0]
+            scales = _reduce_scales(self.reduce_options, data.world // ranks)
+            self.reducer.pre_scale, self.reducer.post_scale = scales
 
     # -- backward ---------------------------------------------------------------------------------
 
@@ -246,6 +257,9 @@ class ZeroOptimizer:
         if not math.isfinite(scaled_norm):
             if not (self.loss_scaler.dynamic or self.skip_nonfinite):
                 raise NonFiniteGradientError(self._nonfinite_message(owned))
+            # DeepSpeed reports an overflowed step's norm as inf, NaN included; callers such as
+            # accelerate's clip_grad_norm_ path test for that value.
+            self.global_grad_norm = math.inf
             self.loss_scaler.update(True)
             self.zero_grad()
             return False

@@ -3,9 +3,9 @@
 
 Its groups are the world mesh's with `sequence_parallel_size` ranks per sequence (runs of
 consecutive ranks, as DeepSpeed's), so `deepspeed.utils.groups` answers the same from the moment it
-is set up. A run set up through this module computes its loss as transformers and accelerate do
-(every sequence rank holds the whole loss), which `initialize` takes into account (see
-docs/sequence-parallel.md).
+is set up. Runs set up through this module usually compute the loss as transformers and
+accelerate do (every sequence rank holds the whole loss); the engine reads that from the loss at
+the first step (see docs/sequence-parallel.md, "The loss").
 """
 
 from __future__ import annotations

@@ -9,10 +9,16 @@ The rule that makes sequence-parallel training equal whole-sequence training:
   add up to the whole sequence's mean token loss, and so do their gradients.
 - The engine sums gradients over the sequence ranks and averages them over the data-parallel
   replicas (it divides the data x sequence sum by the data-parallel size, as DeepSpeed does).
+
+Code that instead gives every sequence rank the whole loss (transformers' Trainer, DeepSpeed's
+ALST tutorial) needs its gradients averaged over the sequence ranks too: `loss_convention` tells
+the two apart from the loss values themselves, and the engine asks it at the first step.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -22,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ... import comm
+from ...config.errors import ConfigError
 from ...sequence import shard_sequence
 
 # DeepSpeed keeps ALST's Hugging Face attention and tiled compute in this module; shardspeed's
@@ -34,6 +41,7 @@ from .tiled import TiledMLP as TiledMLP
 from .tiled import sequence_tiled_compute as sequence_tiled_compute
 
 IGNORE_INDEX = -100
+logger = logging.getLogger("shardspeed")
 
 
 def shard_batch(
@@ -89,6 +97,68 @@ def shard_cross_entropy(
     tokens = (shift_labels != IGNORE_INDEX).sum().to(device=logits.device, dtype=torch.float32)
     comm.all_reduce(tokens, group=sp_group)
     return summed / tokens.clamp(min=1.0)
+
+
+# Replicated losses are one computation's result on every rank, so they agree to the last bit;
+# the tolerance only keeps a reduction done in another order from reading as sharded.
+_SAME_LOSS_RTOL = 1e-6
+
+
+def loss_convention(loss: torch.Tensor, sp_group: Any) -> tuple[str | None, list[float]]:
+    """How the sequence ranks' losses relate, and the values seen (in group rank order):
+    'replicated' when every rank of `sp_group` holds the same value (the whole sequence's loss),
+    'sharded' when they differ (each holds its slice's part), None when the values cannot tell
+    (a non-finite loss, or zero everywhere). One small all-gather over `sp_group` and a host
+    sync: call it once, not every step."""
+    size = comm.get_world_size(sp_group)
+    mine = loss.detach().reshape(1).to(torch.float64)
+    values = torch.empty(size, dtype=torch.float64, device=mine.device)
+    comm.all_gather_into_tensor(values, mine, group=sp_group)
+    seen = values.tolist()
+    if not all(math.isfinite(v) for v in seen) or not any(seen):
+        return None, seen
+    same = max(seen) - min(seen) <= _SAME_LOSS_RTOL * max(abs(v) for v in seen)
+    return ("replicated" if same else "sharded"), seen
+
+
+class SequenceLoss:
+    """The engine's part that settles, from the loss handed to the first backward, whether the
+    sequence ranks' gradients are summed (sharded loss) or averaged (replicated loss), and
+    refuses a 'sequence_parallel.loss' that says the other. See docs/sequence-parallel.md."""
+
+    def __init__(self, said: str | None, topology: Any, optimizer: Any) -> None:
+        self.said, self.topology, self.optimizer = said, topology, optimizer
+
+    def settle(self, loss: torch.Tensor) -> bool:
+        """Settle it from `loss` and return True, or return False for a loss that cannot tell
+        (zero, non-finite): the next one is asked."""
+        topology = self.topology
+        seen, values = loss_convention(loss, topology.get_sequence_parallel_group())
+        if seen is None:
+            return False
+        if self.said is not None and self.said != seen:
+            shown = ", ".join(f"{v:.6g}" for v in values)
+            found = (
+                "the same value on every sequence rank (the whole loss)"
+                if seen == "replicated"
+                else "a different value on each sequence rank (each rank's part)"
+            )
+            raise ConfigError(
+                f"'sequence_parallel.loss' is '{self.said}', but the loss handed to backward() "
+                f"at the first step is {found}: {shown}. Set 'sequence_parallel.loss' to "
+                f"'{seen}' or leave it out (the engine then follows what the loss shows)"
+            )
+        sp = topology.sp_world_size
+        self.optimizer.set_sequence_split(1 if seen == "replicated" else sp)
+        if topology.rank == 0:
+            logger.info(
+                "sequence parallelism: the loss is %s over the %d sequence ranks, so their "
+                "gradients are %s",
+                seen,
+                sp,
+                "averaged" if seen == "replicated" else "summed",
+            )
+        return True
 
 
 class UlyssesSPDataLoaderAdapter:
