@@ -9,9 +9,13 @@
   collectives of different sizes (at stage 0 both are all-reduces, which gloo itself answers by
   aborting the process).
 - disagree: each rank's config sets another 'comms_timeout_s' (S + rank), refused at initialize.
+- aside: both ranks make the same extra collective (as an evaluation would), train 3 more steps
+  and end normally.
 
 `--stage` is the ZeRO stage (default 3); `--timeout` the config's 'comms_timeout_s' (none if not
-given); `--init-timeout` starts the process group with init_distributed(timeout=S seconds) first.
+given); `--init-timeout` starts the process group with init_distributed(timeout=S seconds) first;
+`--steps` the good steps before (default 2; from 4 on, the ranks follow the steps' agreed sequence
+of collectives instead of checking each call).
 """
 
 from __future__ import annotations
@@ -67,10 +71,11 @@ def opposite_orders(rank: int) -> None:
 @record  # torchrun's failure summary then shows each failed rank's error
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("raise", "skip", "order", "size", "disagree"))
+    parser.add_argument("mode", choices=("raise", "skip", "order", "size", "disagree", "aside"))
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--init-timeout", type=float, default=None)
+    parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args(argv)
     mode = args.mode
     torch.set_num_threads(1)
@@ -88,9 +93,10 @@ def main(argv: list[str] | None = None) -> None:
     engine, *_ = shardspeed.initialize(model=model, config=config)
     print(f"rank {engine.global_rank}: timeout {comm.collective_timeout()}", flush=True)
     rank = engine.global_rank
-    for n in range(2):
+    for n in range(args.steps):
         step(engine, rank, n)
-    print(f"rank {rank}: trained 2 steps, collective #{comm.collective_sequence()}", flush=True)
+    trained = f"trained {args.steps} steps, collective #{comm.collective_sequence()}"
+    print(f"rank {rank}: {trained}", flush=True)
     if mode == "raise":
         model.fail = rank == 1
         step(engine, rank, 2)
@@ -105,6 +111,14 @@ def main(argv: list[str] | None = None) -> None:
             step(engine, rank, 2)
         else:
             comm.all_reduce(torch.ones(1))
+    elif mode == "aside":
+        following = any(state.cycle for state in comm.comm._groups.values())
+        print(f"rank {rank}: following the agreed steps: {following}", flush=True)
+        total = torch.ones(3)
+        comm.all_reduce(total)
+        for n in range(args.steps, args.steps + 3):
+            step(engine, rank, n)
+        print(f"rank {rank}: done, {total.tolist()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,8 @@ def torchrun(*job_args: str) -> tuple[int, str, float]:
 
 
 def trained_until(out: str) -> int:
-    """The last collective number of the 2 good steps (the same on both ranks)."""
-    numbers = set(re.findall(r"trained 2 steps, collective #(\d+)", out))
+    """The last collective number of the good steps (the same on both ranks)."""
+    numbers = set(re.findall(r"trained \d+ steps, collective #(\d+)", out))
     assert len(numbers) == 1, out
     return int(numbers.pop())
 
@@ -108,6 +108,46 @@ def test_ranks_calling_collectives_in_different_orders_see_each_other():
         out,
     )
     assert not any(text in out for text in ABORTED), out
+
+
+# From the fourth step on the ranks follow the steps' agreed sequence of collectives, comparing
+# nothing across ranks; a rank that departs from it compares notes through the store.
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_rank_departing_from_the_agreed_steps_is_named(stage):
+    rc, out, seconds = torchrun("size", "--stage", str(stage), "--timeout", "6", "--steps", "5")
+    assert rc != 0, out
+    assert seconds < 60
+    assert not any(text in out for text in ABORTED), out
+    n = trained_until(out) + 1
+    assert f"rank 0 stopped in all_reduce #{n} at tests/hang_job.py:" in out
+    assert re.search(
+        r"this rank called all_reduce of 1 float32 element \(collective \d+ in this group\) "
+        r"where the earlier steps, agreed by every rank, call \w+ of \d+ float32 elements "
+        r"\(collective \d+ in this group\); rank 1 did not reach this call within 5 s",
+        out,
+    ), out
+
+
+def test_ranks_departing_differently_from_the_agreed_steps_see_each_other():
+    rc, out, seconds = torchrun("order", "--stage", "0", "--timeout", "6", "--steps", "5")
+    assert rc != 0, out
+    assert seconds < 60
+    assert not any(text in out for text in ABORTED), out
+    assert re.search(
+        r"the ranks called different collectives: rank 0: all_reduce of 4 float32 elements "
+        r"\(collective \d+ in this group\); rank 1: all_gather_into_tensor of 4 float32 elements",
+        out,
+    ), out
+
+
+@pytest.mark.parametrize("steps", [2, 5])
+def test_ranks_stepping_aside_together_carry_on(steps):
+    rc, out, _ = torchrun("aside", "--stage", "3", "--timeout", "6", "--steps", str(steps))
+    assert rc == 0, out
+    assert out.count(f"following the agreed steps: {steps > 3}") == 2, out
+    assert out.count("done, [2.0, 2.0, 2.0]") == 2, out
 
 
 def test_ranks_with_different_timeouts_are_refused_at_initialize():
@@ -210,3 +250,34 @@ def test_bad_deepspeed_timeout_is_named(one_rank, monkeypatch):
     monkeypatch.setenv("DEEPSPEED_TIMEOUT", "ten")
     with pytest.raises(ValueError, match="DEEPSPEED_TIMEOUT='ten': expected the collective"):
         comm.init_distributed(dist_backend="gloo")
+
+
+def _check_switch(disagree: bool) -> dict:
+    """initialize with 'comms_same_call_check' false (on rank 1 only, with `disagree`), then
+    count the call-by-call checks two all-reduces make."""
+    import shardspeed
+    from shardspeed.comm import comm as impl
+
+    rank = comm.get_rank()
+    check = rank == 0 if disagree else False
+    config = {"train_batch_size": 2, "comms_same_call_check": check}
+    try:
+        shardspeed.initialize(model=torch.nn.Linear(2, 2), config=config)
+    except shardspeed.ConfigError as error:
+        return {"error": str(error)}
+    checks = []
+    original = impl._check_same_call
+    impl._check_same_call = lambda *args: checks.append(args)
+    try:
+        comm.all_reduce(torch.ones(2))
+        comm.all_reduce(torch.ones(3))
+    finally:
+        impl._check_same_call = original
+        comm.set_same_call_check(True)  # the pool's later tests expect the default
+    return {"checks": len(checks)}
+
+
+def test_the_same_call_check_can_be_switched_off(pool2):
+    assert pool2.run(_check_switch, False) == [{"checks": 0}, {"checks": 0}]
+    for result in pool2.run(_check_switch, True):
+        assert "'comms_same_call_check': the ranks disagree (rank 0: true" in result["error"]

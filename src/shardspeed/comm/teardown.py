@@ -16,7 +16,8 @@ worker when the script returns):
 
 1. every rank says it reached the end, through the default group's store, and waits for the others
    for at most `SHARDSPEED_EXIT_TIMEOUT` seconds (default 60, never above the collective timeout);
-   a rank that does not come is named in a warning and the rest leave without it;
+   a rank that does not come is named in a warning and the rest leave without it. A rank whose
+   script ended with an exception does not wait: the job has failed, and torchrun should hear it;
 2. the groups are destroyed (NCCL's communicators aborted instead when a peer is missing), which
    frees every group that only torch's registry held: its destructor joins the worker threads
    with the GIL released, so their last releases finish first;
@@ -31,6 +32,7 @@ import atexit
 import datetime
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -55,17 +57,24 @@ def close_at_exit() -> None:
     global _installed
     if not _installed:
         _installed = True
-        atexit.register(close)
+        atexit.register(_at_exit)
 
 
-def close(timeout: float | None = None) -> None:
-    """Wait (bounded) for every rank to reach this point, destroy the process groups, and let the
-    communication threads go idle. Safe to call more than once, and without a process group."""
+def _at_exit() -> None:
+    # A script ended by an exception has failed: waiting for the other ranks would only hold
+    # back torchrun's report of it (their collectives fail or time out once this rank is gone).
+    close(failed=getattr(sys, "last_value", None) is not None)
+
+
+def close(timeout: float | None = None, failed: bool = False) -> None:
+    """Wait (bounded by `timeout` seconds, default `SHARDSPEED_EXIT_TIMEOUT`) for every rank to
+    reach this point, unless this one `failed`; destroy the process groups; let the communication
+    threads go idle. Safe to call more than once, and without a process group."""
     global _closings
     if dist.is_available() and dist.is_initialized():
         _closings += 1
-        missing = _exit_barrier(_exit_timeout(timeout))
-        _destroy(abort=bool(missing))
+        missing = [] if failed else _exit_barrier(_exit_timeout(timeout))
+        _destroy(abort=failed or bool(missing))
     _settle()
 
 
