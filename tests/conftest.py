@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from hf_launch import SHARED_TWO_PROCESS_CASES, torchrun
 from shardspeed.testing import RankPool
 
 
@@ -17,3 +18,10 @@ def pool2():
 def pool4():
     with RankPool(4) as pool:
         yield pool
+
+
+@pytest.fixture(scope="session")
+def hf2(tmp_path_factory):
+    """One 2-process launch of every Hugging Face, TRL and PEFT case that runs at 2 processes;
+    each case writes its results under the returned folder."""
+    return torchrun(2, tmp_path_factory.mktemp("hf2"), SHARED_TWO_PROCESS_CASES)

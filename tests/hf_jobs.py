@@ -1,6 +1,7 @@
 """Hugging Face Trainer and accelerate runs on shardspeed, for `test_huggingface.py`.
 
     SHARDSPEED_AS_DEEPSPEED=1 torchrun --nproc_per_node N tests/hf_jobs.py OUT CASE [CASE ...]
+    (a CASE may be one of post_training_jobs.py's)
     SHARDSPEED_AS_DEEPSPEED=1 accelerate launch --use_deepspeed ... tests/hf_jobs.py OUT CASE
 
 The code here is what a user writes: it imports transformers and accelerate, and `deepspeed` only
@@ -767,6 +768,13 @@ def main(argv: list[str]) -> None:
     if not torch.distributed.is_initialized():
         PartialState(backend="gloo")
     for name in argv[1:]:
+        if name not in CASES:  # TRL's and PEFT's, which share this launch
+            sys.modules.setdefault("hf_jobs", sys.modules[__name__])  # this module, not a copy
+            import post_training_jobs
+
+            reset()
+            post_training_jobs.CASES[name](OUT)
+            continue
         CASES[name](OUT)
     torch.distributed.barrier()
 

@@ -22,60 +22,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hf_launch import JOBS, ONE_PROCESS_CASES, launch, switched_on, torchrun
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-JOBS = Path(__file__).with_name("hf_jobs.py")
-TWO_PROCESS_CASES = [
-    "trainer_stages",
-    "trainer_zero3_pretrained",
-    "trainer_zero3_from_config",
-    "trainer_gradient_accumulation",
-    "trainer_resume",
-    "trainer_zero3_save_without_gathering",
-    "trainer_evaluate_first",
-    "trainer_bf16",
-    "trainer_cpu_offload",
-    "trainer_resume_deepspeed_run",
-    "accelerate_plugin",
-]
-ONE_PROCESS_CASES = ["trainer_zero3_from_config", "trainer_zero3_pretrained"]
-
-
-def switched_on() -> dict[str, str]:
-    env = {**os.environ, "SHARDSPEED_AS_DEEPSPEED": "1", "OMP_NUM_THREADS": "1"}
-    for name in ("ACCELERATE_USE_DEEPSPEED", "HF_DEEPSPEED_CONFIG"):
-        env.pop(name, None)
-    return env
-
-
-def launch(command: list[str], out: Path) -> None:
-    result = subprocess.run(
-        command, env=switched_on(), capture_output=True, text=True, timeout=900, cwd=out
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-
-
-def torchrun(processes: int, out: Path, cases: list[str], jobs: Path = JOBS) -> Path:
-    launch(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={processes}",
-            str(jobs),
-            str(out),
-            *cases,
-        ],
-        out,
-    )
-    return out
-
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return torchrun(2, tmp_path_factory.mktemp("hf2"), TWO_PROCESS_CASES)
+def two(hf2: Path) -> Path:
+    return hf2
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +168,9 @@ def test_accelerate_plugin_loop(two: Path, stage: int) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_accelerate_sequence_parallel_trains_like_one_process(tmp_path: Path, world: int) -> None:
+def test_accelerate_sequence_parallel_trains_like_one_process(
+    hf2: Path, tmp_path: Path, world: int
+) -> None:
     """accelerate's DeepSpeed sequence parallelism (ParallelismConfig(sp_size=...,
     sp_backend="deepspeed")) on a tiny GQA Llama (4 heads, 2 key/value heads): at 2 processes
     Ulysses over 2 at ZeRO 1 and 3 with transformers' own loss aggregation over the sequence
@@ -223,7 +180,8 @@ def test_accelerate_sequence_parallel_trains_like_one_process(tmp_path: Path, wo
     steps, every parameter (5e-5 relative) equal one process training whole sequences. The norm
     would be twice the reference's if gradients were summed over two sequence ranks under
     transformers' loss, which puts the whole loss on each rank (DeepSpeed sums them)."""
-    out = torchrun(world, tmp_path, ["accelerate_sequence_parallel"])
+    # At 2 processes the case runs in the launch the Hugging Face tests share.
+    out = hf2 if world == 2 else torchrun(world, tmp_path, ["accelerate_sequence_parallel"])
     runs = result(out, "accelerate_sequence_parallel", world)
     assert len(runs) == {2: 2, 4: 5}[world]
     for name, run in runs.items():
@@ -236,12 +194,12 @@ def test_accelerate_sequence_parallel_trains_like_one_process(tmp_path: Path, wo
         assert run["relative_difference"] < 5e-5, (name, run)
 
 
-def test_trainer_sequence_parallel_trains_like_one_process(tmp_path: Path) -> None:
+def test_trainer_sequence_parallel_trains_like_one_process(hf2: Path) -> None:
     """Trainer with TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2,
     sp_backend="deepspeed")) and Hugging Face's ZeRO-3 example config: its own loader adapter
     and loss aggregation; every loss (1e-5 relative) and the final parameters (5e-5 relative)
     equal one process on whole sequences stepping through the batches the Trainer drew."""
-    run = result(torchrun(2, tmp_path, ["trainer_sequence_parallel"]), "trainer_sequence_parallel")
+    run = result(hf2, "trainer_sequence_parallel")
     assert run["engine"] == "shardspeed.runtime.engine"
     assert run["sequence_parallel_size"] == 2 and run["global_steps"] == 4
     for got, want in zip(run["losses"], run["reference_losses"], strict=True):

@@ -16,15 +16,11 @@ import pytest
 
 pytest.importorskip("trl")
 
-from test_huggingface import torchrun
-
-JOBS = Path(__file__).with_name("post_training_jobs.py")
-
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cases = ["trl_sft", "trl_dpo", "trl_grpo", "peft_lora"]
-    return torchrun(2, tmp_path_factory.mktemp("post"), cases, JOBS)
+def runs(hf2: Path) -> Path:
+    """The launch the Hugging Face tests share runs these cases too (hf_launch.py)."""
+    return hf2
 
 
 @pytest.mark.parametrize(

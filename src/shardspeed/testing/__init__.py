@@ -8,6 +8,7 @@ its time limit kills the pool, which restarts on its next use.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import multiprocessing as mp
 import os
@@ -48,6 +49,24 @@ def _serve(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> N
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+    # A forked rank ends with os._exit, which skips the exit handlers that a job's process runs
+    # (checkpoint locks released, swap files removed): run them, as a job's end would.
+    atexit._run_exitfuncs()
+
+
+# Modules every rank imports, loaded once into the fork server that starts the ranks: a new pool's
+# ranks are then forked in milliseconds instead of importing torch for seconds each. Nothing in
+# them starts a thread or touches an accelerator at import, so forking after them is safe.
+_PRELOAD = ["torch", "torch.distributed", "shardspeed.runtime", "shardspeed.testing"]
+
+
+def _context() -> Any:
+    """Where ranks come from: a fork server with `_PRELOAD` loaded (spawn where there is none)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 class RankPool:
@@ -65,7 +84,7 @@ class RankPool:
         self.close()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
