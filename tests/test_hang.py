@@ -3,12 +3,13 @@ other sizes ends the job within the collective timeout, with an error that says 
 where; and that timeout comes from init_distributed(timeout=), the config or DEEPSPEED_TIMEOUT.
 
 Each job case is a 2-rank torchrun job (`hang_job.py`, ZeRO on gloo) whose config sets
-'comms_timeout_s' to 6 s, with DEEPSPEED_TIMEOUT unset: without the key a hang would last the
-default 10 minutes and the case would time out.
+'comms_timeout_s' to 4 s, with DEEPSPEED_TIMEOUT unset: without the key a hang would last the
+default 10 minutes and the case would time out. The jobs run two at a time, once per module.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import logging
 import os
@@ -31,15 +32,37 @@ RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 ABORTED = ("SIGABRT", "Received data size")  # gloo's own end for mismatched sizes
 
 
+TIMEOUT = "4"  # the config's 'comms_timeout_s' in every job: a hang ends in seconds
+JOBS = [  # every job the tests below read, launched once by the module's `launched` fixture
+    ("raise",),
+    *(("skip", "--stage", str(stage)) for stage in (0, 2, 3)),
+    *(("size", "--stage", str(stage)) for stage in (0, 2, 3)),
+    ("order", "--stage", "0"),
+    *(("size", "--stage", str(stage), "--steps", "5") for stage in (0, 3)),
+    ("order", "--stage", "0", "--steps", "5"),
+    *(("aside", "--stage", "3", "--steps", str(steps)) for steps in (2, 5)),
+    ("disagree",),
+]
+
+
 def torchrun(*job_args: str) -> tuple[int, str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for key in (*RENDEZVOUS, "DEEPSPEED_TIMEOUT"):  # torchrun sets its own; the config sets ours
         env.pop(key, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     cmd += ["--master_port", str(free_port()), "tests/hang_job.py", *job_args]
+    cmd += ["--timeout", TIMEOUT]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def launched() -> dict[tuple[str, ...], tuple[int, str, float]]:
+    """Every job of JOBS, two at a time: most of a job's time is waiting for a timeout or a
+    peer's report, with the cores idle. Each job's seconds are its own, start to end."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(JOBS, pool.map(lambda job: torchrun(*job), JOBS)))
 
 
 def trained_until(out: str) -> int:
@@ -49,8 +72,8 @@ def trained_until(out: str) -> int:
     return int(numbers.pop())
 
 
-def test_rank_raising_in_forward_ends_the_job():
-    rc, out, seconds = torchrun("raise", "--timeout", "6")
+def test_rank_raising_in_forward_ends_the_job(launched):
+    rc, out, seconds = launched[("raise",)]
     assert rc != 0, out
     assert seconds < 60
     assert "RuntimeError: boom in forward" in out
@@ -59,16 +82,16 @@ def test_rank_raising_in_forward_ends_the_job():
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
-def test_rank_skipping_a_collective_is_named_by_the_waiting_rank(stage):
-    rc, out, seconds = torchrun("skip", "--stage", str(stage), "--timeout", "6")
+def test_rank_skipping_a_collective_is_named_by_the_waiting_rank(launched, stage):
+    rc, out, seconds = launched[("skip", "--stage", str(stage))]
     assert rc != 0, out
-    assert seconds < 60  # 6 s timeout + 5 s grace + start-up, not the default 10 minutes
-    assert "timeout 0:00:06" in out  # what each rank applied
+    assert seconds < 60  # 4 s timeout + 4 s grace + start-up, not the default 10 minutes
+    assert "timeout 0:00:04" in out  # what each rank applied
     found = re.search(r"CollectiveError: rank 0 stopped in (\w+) #(\d+) at \S+:\d+ in \S+", out)
     assert found, out
     assert int(found[2]) > trained_until(out)
-    assert "(group of 2 ranks)" in out and "group timeout 6 s" in out
-    assert "rank 1 did not report within 5 s: it is not inside a shardspeed collective" in out
+    assert "(group of 2 ranks)" in out and "group timeout 4 s" in out
+    assert "rank 1 did not report within 4 s: it is not inside a shardspeed collective" in out
     assert "skipped the collective this rank waits in" in out
     assert not any(text in out for text in ABORTED), out
 
@@ -76,9 +99,9 @@ def test_rank_skipping_a_collective_is_named_by_the_waiting_rank(stage):
 @pytest.mark.parametrize(
     ("stage", "other"), [(0, "all_reduce"), (2, "reduce"), (3, "all_gather_into_tensor")]
 )
-def test_ranks_calling_collectives_of_other_sizes_are_named(stage, other):
+def test_ranks_calling_collectives_of_other_sizes_are_named(launched, stage, other):
     # At stage 0 both ranks are in an all-reduce, which gloo used to end with SIGABRT.
-    rc, out, seconds = torchrun("size", "--stage", str(stage), "--timeout", "6")
+    rc, out, seconds = launched[("size", "--stage", str(stage))]
     assert rc != 0, out
     assert seconds < 60
     assert not any(text in out for text in ABORTED), out
@@ -93,8 +116,8 @@ def test_ranks_calling_collectives_of_other_sizes_are_named(stage, other):
     assert re.search(rf"rank 1 stopped in {other} #{n} at src/shardspeed/\S+:\d+ in \S+", out)
 
 
-def test_ranks_calling_collectives_in_different_orders_see_each_other():
-    rc, out, seconds = torchrun("order", "--stage", "0", "--timeout", "6")
+def test_ranks_calling_collectives_in_different_orders_see_each_other(launched):
+    rc, out, seconds = launched[("order", "--stage", "0")]
     assert rc != 0, out
     assert seconds < 60
     n = trained_until(out) + 1
@@ -115,8 +138,8 @@ def test_ranks_calling_collectives_in_different_orders_see_each_other():
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_rank_departing_from_the_agreed_steps_is_named(stage):
-    rc, out, seconds = torchrun("size", "--stage", str(stage), "--timeout", "6", "--steps", "5")
+def test_a_rank_departing_from_the_agreed_steps_is_named(launched, stage):
+    rc, out, seconds = launched[("size", "--stage", str(stage), "--steps", "5")]
     assert rc != 0, out
     assert seconds < 60
     assert not any(text in out for text in ABORTED), out
@@ -125,13 +148,13 @@ def test_a_rank_departing_from_the_agreed_steps_is_named(stage):
     assert re.search(
         r"this rank called all_reduce of 1 float32 element \(collective \d+ in this group\) "
         r"where the earlier steps, agreed by every rank, call \w+ of \d+ float32 elements "
-        r"\(collective \d+ in this group\); rank 1 did not reach this call within 5 s",
+        r"\(collective \d+ in this group\); rank 1 did not reach this call within 4 s",
         out,
     ), out
 
 
-def test_ranks_departing_differently_from_the_agreed_steps_see_each_other():
-    rc, out, seconds = torchrun("order", "--stage", "0", "--timeout", "6", "--steps", "5")
+def test_ranks_departing_differently_from_the_agreed_steps_see_each_other(launched):
+    rc, out, seconds = launched[("order", "--stage", "0", "--steps", "5")]
     assert rc != 0, out
     assert seconds < 60
     assert not any(text in out for text in ABORTED), out
@@ -143,19 +166,19 @@ def test_ranks_departing_differently_from_the_agreed_steps_see_each_other():
 
 
 @pytest.mark.parametrize("steps", [2, 5])
-def test_ranks_stepping_aside_together_carry_on(steps):
-    rc, out, _ = torchrun("aside", "--stage", "3", "--timeout", "6", "--steps", str(steps))
+def test_ranks_stepping_aside_together_carry_on(launched, steps):
+    rc, out, _ = launched[("aside", "--stage", "3", "--steps", str(steps))]
     assert rc == 0, out
     assert out.count(f"following the agreed steps: {steps > 3}") == 2, out
     assert out.count("done, [2.0, 2.0, 2.0]") == 2, out
 
 
-def test_ranks_with_different_timeouts_are_refused_at_initialize():
-    rc, out, _ = torchrun("disagree", "--timeout", "6")  # rank r sets 6 + r seconds
+def test_ranks_with_different_timeouts_are_refused_at_initialize(launched):
+    rc, out, _ = launched[("disagree",)]  # rank r sets 4 + r seconds
     assert rc != 0, out
     assert (
-        "'comms_timeout_s': the ranks disagree on the collective timeout (rank 0: 6 s (config "
-        "'comms_timeout_s'); rank 1: 7 s (config 'comms_timeout_s')): give every rank the same "
+        "'comms_timeout_s': the ranks disagree on the collective timeout (rank 0: 4 s (config "
+        "'comms_timeout_s'); rank 1: 5 s (config 'comms_timeout_s')): give every rank the same "
         "value" in out
     ), out
     assert "trained 2 steps" not in out
