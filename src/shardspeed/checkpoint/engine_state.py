@@ -221,24 +221,24 @@ class _LogicalTensors:
     """The manifest's logical tensors as this rank collects them: name -> shape, dtype and the
     pieces [file key, start, length, offset in the logical tensor] this rank writes.
 
-    A tensor-parallel rank's piece of a split parameter is a logical tensor of its own
-    (`tp/<name>/<tp rank>`); `splits` records how the manifest joins the pieces back."""
+    A rank's piece of a split parameter (a tensor-parallel slice, a run of experts) is a logical
+    tensor of its own (`tp/<name>/<piece index>`); `splits` records how the manifest joins the
+    pieces back."""
 
     def __init__(self, engine: Any) -> None:
         self.entries: dict[str, dict[str, Any]] = {}
         self.splits: dict[str, dict[str, Any]] = {}
         # Parameters with states saved whole in their own shapes: each one's state names.
         self.whole_states: dict[str, list[str]] = {}
-        self._split_params = tensor_parallel_splits(engine)
-        self._tp_rank = engine.topology.tp_rank
+        self._split_params = parameter_splits(engine)
 
     def stored_name(self, logical_name: str, param_name: str) -> str:
         """The name `logical_name` (of parameter `param_name`'s tensor) is saved under."""
-        split = self._split_params.get(param_name)
-        if split is None:
+        if param_name not in self._split_params:
             return logical_name
+        split, index = self._split_params[param_name]
         self.splits[logical_name] = {"dim": split.dim, "stride": split.stride, "parts": split.parts}
-        return f"tp/{logical_name}/{self._tp_rank}"
+        return f"tp/{logical_name}/{index}"
 
     def add(
         self, name: str, key: str, value: torch.Tensor, piece: tuple[int, int, int], shape: Any
@@ -847,24 +847,30 @@ def _checkpoint_name(engine: Any, module_name: str, first_replica: bool = True) 
     return expert if expert is not None else (module_name, first_replica)
 
 
-def tensor_parallel_splits(engine: Any) -> dict[str, Split]:
-    """The engine's parameters split across its tensor-parallel ranks, by name, and how."""
-    parts = engine.topology.tp_world_size
-    return {
-        name: Split(p.partition_dim, parts, getattr(p, "partition_stride", 1))
+def parameter_splits(engine: Any) -> dict[str, tuple[Split, int]]:
+    """The engine's parameters held as pieces, by name: how each is cut and which piece this
+    rank holds. Tensor-parallel slices (piece: the tensor-parallel rank), and the fused expert
+    tensors of expert-parallel Hugging Face blocks (a run of experts on the first dimension;
+    piece: the expert-parallel rank)."""
+    parts, tp_rank = engine.topology.tp_world_size, engine.topology.tp_rank
+    splits = {
+        name: (Split(p.partition_dim, parts, getattr(p, "partition_stride", 1)), tp_rank)
         for name, p in engine.module.named_parameters()
         if getattr(p, "tensor_model_parallel", False) and parts > 1
     }
+    for name, (pieces, index, _) in engine.experts.splits.items():
+        splits[name] = (Split(0, pieces), index)
+    return splits
 
 
 def _piece_reader(engine: Any, source: TensorSource) -> Any:
     """read(logical name, parameter name, start, length) of this rank's piece of a parameter:
-    its tensor-parallel slice of the whole (whatever split it was saved with), or all of it."""
-    splits = tensor_parallel_splits(engine)
-    tp_rank = engine.topology.tp_rank
+    its slice of the whole (whatever split it was saved with), or all of it."""
+    splits = parameter_splits(engine)
 
     def read(logical: str, name: str, start: int, length: int) -> torch.Tensor:
-        return source.read_piece(logical, splits.get(name), tp_rank, start, length)
+        split, index = splits.get(name, (None, 0))
+        return source.read_piece(logical, split, index, start, length)
 
     return read
 
@@ -899,11 +905,11 @@ def _check_names(
             f"missing {missing[:10]}, unexpected {unexpected[:10]}"
         )
     shapes = dict(zip(zopt.param_names, zopt.layout.shapes))
-    splits = tensor_parallel_splits(engine)
+    splits = parameter_splits(engine)
     expected = {}
     for name in model & saved:
         shape = tuple(shapes.get(name, params[name].shape))
-        expected[f"param/{name}"] = splits[name].whole_shape(shape) if name in splits else shape
+        expected[f"param/{name}"] = splits[name][0].whole_shape(shape) if name in splits else shape
     for module_name, b in engine.module.named_buffers():
         key = f"buffer/{_checkpoint_name(engine, module_name)[0]}"
         if key in source:

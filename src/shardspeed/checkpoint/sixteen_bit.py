@@ -35,6 +35,9 @@ def consolidated_state_dict(engine: Any, exclude_frozen_parameters: bool = False
                 and not tensor.requires_grad
             )
         }
+    for name, (_, _, group) in engine.experts.splits.items():  # Hugging Face fused experts
+        if name in state:
+            state[name] = whole(state[name], 0, group)
     for prefix, layer in engine.moe_layers.items():
         if layer.ep_size > 1:  # this rank holds some experts: gather them all
             stem = f"{prefix}.deepspeed_moe.experts." if prefix else "deepspeed_moe.experts."
@@ -108,13 +111,22 @@ def gathered_items(
     """Each of `items` (lists of the module's parameters) gathered whole, named, tensor-parallel
     pieces joined, in `dtype`; released when the next is asked for."""
     topology = engine.topology
+    experts = engine.experts.splits
     for item in items:
         with GatheredParameters(list(item)):
-            yield [(names[p], _whole(p, topology, dtype)) for p in item]
+            yield [(names[p], _whole(p, names[p], topology, experts, dtype)) for p in item]
 
 
-def _whole(p: nn.Parameter, topology: Any, dtype: torch.dtype | None) -> torch.Tensor:
+def _whole(
+    p: nn.Parameter,
+    name: str,
+    topology: Any,
+    experts: dict[str, tuple[int, int, Any]],
+    dtype: torch.dtype | None,
+) -> torch.Tensor:
     tensor = p.detach().to(dtype or p.dtype)
+    if name in experts:  # a run of a Hugging Face block's experts
+        return whole(tensor, 0, experts[name][2])
     if not getattr(p, "tensor_model_parallel", False) or topology.tp_world_size == 1:
         return tensor
     return whole(tensor, p.partition_dim, topology.tp_group, getattr(p, "partition_stride", 1))

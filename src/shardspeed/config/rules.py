@@ -58,8 +58,9 @@ def _expert_sizes(facts: RunFacts) -> list[int]:
 
 def _experts_refused(with_: str) -> Message:
     return lambda config, facts: (
-        f"MoE layers with ep_size {_expert_sizes(facts)} (expert parallelism) do not combine "
-        f"with {with_} yet: use data parallelism with ZeRO stage 0, 1 or 2, or ep_size 1"
+        f"expert parallelism of size {_expert_sizes(facts)} (MoE layers' ep_size, or "
+        f"'expert_parallel.autoep_size') does not combine with {with_} yet: use data "
+        "parallelism with ZeRO stage 0, 1 or 2, or an expert-parallel size of 1"
     )
 
 

@@ -651,6 +651,82 @@ class SequenceMemoryConfig(StrictModel):
     }
 
 
+class ExpertParallelConfig(StrictModel):
+    """`expert_parallel` (DeepSpeed's AutoEP): the experts of a Hugging Face MoE model spread
+    over `autoep_size` ranks of each data-parallel group, tokens exchanged all-to-all, nothing
+    dropped. The blocks are found by `preset_model`, by `moe_layer_pattern` / `expert_pattern`
+    (`router_pattern`, `expert_w1..3`, `num_experts_attr`, `top_k_attr` and the shared-expert keys
+    are checked against the model), or from the model's structure. The model's own router runs
+    unchanged: the routing keys may only state what it does. `use_grouped_mm` runs the local
+    experts as grouped matmuls (transformers' implementation) instead of a loop over experts.
+    `disable_triton_grouped_mm`: shardspeed has no Triton kernels, so either value holds."""
+
+    enabled: bool = False
+    autoep_size: PositiveInt = 1
+    expert_tensor_parallel_size: PositiveInt = 1
+    validate_folding_routing: bool = False
+    preset_model: (
+        Literal[
+            "mixtral",
+            "qwen2_moe",
+            "qwen3_moe",
+            "qwen3_5_moe",
+            "deepseek_v2",
+            "deepseek_v3",
+            "glm4_moe",
+            "gpt_oss",
+            "olmoe",
+        ]
+        | None
+    ) = None
+    moe_layer_pattern: str | None = None
+    expert_pattern: str | None = None
+    router_pattern: str | None = None
+    use_grouped_mm: bool = True
+    disable_triton_grouped_mm: bool = False
+    route_norm: bool | None = None
+    route_scale: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    score_apply: Literal["auto", "pre", "post"] = "auto"
+    combine_impl: Literal["auto", "weighted_sum"] = "auto"
+    num_expert_groups: PositiveInt | None = None
+    num_limited_groups: PositiveInt | None = None
+    score_func: Literal["auto", "softmax", "sigmoid"] = "auto"
+    top_k: PositiveInt | Literal["auto"] = "auto"
+    load_balance_coeff: float | None = None
+    routed_scaling_factor: float | Literal["auto"] = "auto"
+    expert_w1: str | None = None
+    expert_w2: str | None = None
+    expert_w3: str | None = None
+    num_experts_attr: str | None = None
+    top_k_attr: str | None = None
+    has_shared_experts: bool | None = None
+    shared_experts_pattern: str | None = None
+    shared_experts_gate_pattern: str | None = None
+
+    not_supported_until: ClassVar[dict[str, str]] = {
+        "expert_tensor_parallel_size": "experts run whole on their rank (no expert tensor "
+        "parallelism)",
+        "validate_folding_routing": "expert parallelism does not fold with tensor parallelism",
+        "load_balance_coeff": "auxiliary-loss-free balancing of Hugging Face models is not "
+        "offered yet",
+    }
+
+    @model_validator(mode="after")
+    def _groups_pair(self) -> ExpertParallelConfig:
+        if self.num_limited_groups is not None and self.num_expert_groups is None:
+            raise ValueError("'num_limited_groups' needs 'num_expert_groups'")
+        if (
+            self.num_expert_groups is not None
+            and self.num_limited_groups is not None
+            and self.num_limited_groups > self.num_expert_groups
+        ):
+            raise ValueError(
+                f"'num_limited_groups' ({self.num_limited_groups}) must be at most "
+                f"'num_expert_groups' ({self.num_expert_groups})"
+            )
+        return self
+
+
 class SequenceParallelConfig(StrictModel):
     """`sequence_parallel` (the section LLaMA-Factory writes for ALST; DeepSpeed itself ignores
     it): how a sequence is split over the ranks of the sequence group and how its attention runs.
@@ -805,7 +881,7 @@ class ShardSpeedConfig(StrictModel):
     hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
-    expert_parallel: Section = None
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     timers: TimersConfig = Field(default_factory=TimersConfig)
     sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     weight_quantization: Section = None
@@ -822,8 +898,6 @@ class ShardSpeedConfig(StrictModel):
         "data_efficiency": NOT_PLANNED,
         "torch_autocast": NOT_PLANNED,
         "comet": f"{NOT_PLANNED}: use csv_monitor, tensorboard or wandb",
-        "expert_parallel": NOT_PLANNED + " (DeepSpeed's AutoEP, which converts Hugging Face MoE "
-        "blocks; build the model with shardspeed.moe.layer.MoE instead)",
         "weight_quantization": NOT_PLANNED,
         "datastates": NOT_PLANNED,
     }

@@ -18,6 +18,7 @@ from torch import nn
 from ..comm import Topology, all_reduce
 from ..config.errors import ConfigError
 from ..zero.plan import ExpertParameters
+from .expert_parallel import ExpertParallel, expert_tensors
 from .gating import imbalance
 from .layer import MoE
 
@@ -25,17 +26,28 @@ from .layer import MoE
 @dataclass(frozen=True)
 class ExpertPlacement:
     """The model's MoE layers by module name, its expert tensors' checkpoint names (module name
-    -> (global name, first holder)) and the expert weights the optimizer averages apart."""
+    -> (global name, first holder)), the expert weights the optimizer averages apart, and the
+    fused expert tensors of Hugging Face blocks held as pieces: name -> (pieces, this rank's,
+    the group holding them), each piece a run of experts on the first dimension."""
 
     layers: dict[str, MoE]
     tensor_names: dict[str, tuple[str, bool]]
     parameters: list[ExpertParameters]
+    splits: dict[str, tuple[int, int, Any]]
+
+    @property
+    def ep_sizes(self) -> tuple[int, ...]:
+        """The expert-parallel size of every MoE layer and Hugging Face experts module."""
+        return tuple(m.ep_size for m in self.layers.values()) + tuple(
+            parts for parts, _, _ in self.splits.values()
+        )
 
 
 def place_experts(
     module: nn.Module, topology: Topology, data_before_expert: bool
 ) -> ExpertPlacement:
-    """Connect each expert-parallel layer of `module` to its groups and describe the result."""
+    """Connect each expert-parallel layer of `module` to its groups and describe the result
+    (Hugging Face experts made expert-parallel by `auto_ep` are connected already)."""
     layers = {n: m for n, m in module.named_modules() if isinstance(m, MoE)}
     for size in sorted({m.ep_size for m in layers.values() if m.ep_size > 1}):
         if topology.dp_world_size % size:
@@ -48,7 +60,51 @@ def place_experts(
             if layer.ep_size == size:
                 layer.set_expert_groups(groups)
     names = _expert_tensor_names(layers)
-    return ExpertPlacement(layers, names, _expert_parameters(layers, names))
+    sharded = {
+        n: m for n, m in module.named_modules() if isinstance(m, ExpertParallel) and _spread(m)
+    }
+    return ExpertPlacement(
+        layers,
+        names,
+        _expert_parameters(layers, names) + _sharded_expert_parameters(sharded),
+        {
+            f"{prefix}.{name}" if prefix else name: (
+                m.expert_shard.groups.ep_size,
+                m.expert_shard.groups.ep_rank,
+                m.expert_shard.groups.ep_group,
+            )
+            for prefix, m in sharded.items()
+            for name, _ in expert_tensors(m)
+        },
+    )
+
+
+def _spread(experts: ExpertParallel) -> bool:
+    return experts.expert_shard.groups.ep_size > 1
+
+
+def _sharded_expert_parameters(sharded: dict[str, ExpertParallel]) -> list[ExpertParameters]:
+    """Each Hugging Face experts module's trainable pieces, averaged over its expert-data group
+    under their own names (a piece is saved as such and joined by the checkpoint)."""
+    out = []
+    for prefix, experts in sharded.items():
+        groups = experts.expert_shard.groups
+        named = [
+            (f"{prefix}.{n}" if prefix else n, p)
+            for n, p in expert_tensors(experts)
+            if p.requires_grad
+        ]
+        if named:
+            out.append(
+                ExpertParameters(
+                    tuple(p for _, p in named),
+                    tuple(n for n, _ in named),
+                    groups.expert_data_group,
+                    groups.expert_data_rank,
+                    groups.expert_data_size,
+                )
+            )
+    return out
 
 
 def _expert_tensor_names(layers: dict[str, MoE]) -> dict[str, tuple[str, bool]]:

@@ -28,6 +28,7 @@ from ..config import (
     tuning_report,
 )
 from ..config.schema import SequenceParallelConfig
+from ..moe.auto_ep import apply_expert_parallel
 from ..moe.layer import MoE
 from ..pipe import PipelineModule
 from ..pipe.engine import PipelineSchedule, check_config
@@ -75,7 +76,7 @@ def initialize(
             pipeline_stages=topology.num_stages,
             tensor_parallel_size=topology.tp_world_size,
             autotp_size=autotp_size,
-            moe_ep_sizes=tuple(m.ep_size for m in model.modules() if isinstance(m, MoE)),
+            moe_ep_sizes=_ep_sizes(model, run_config),
             zero_group_size=topology.get_sequence_data_parallel_world_size(),
         ),
     )
@@ -84,6 +85,7 @@ def initialize(
         from ..tensor_parallel.from_config import apply_autotp
 
         apply_autotp(model, topology.tp_group, run_config.tensor_parallel)
+    _expert_parallel(model, run_config, topology)
     _log_run(run_config, topology)
     engine = ShardSpeedEngine(
         model,
@@ -98,6 +100,31 @@ def initialize(
         components=_components(model, run_config),
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _ep_sizes(model: nn.Module, config: ShardSpeedConfig) -> tuple[int, ...]:
+    """The expert-parallel sizes the run asks for: its MoE layers', and the config's section."""
+    sizes = tuple(m.ep_size for m in model.modules() if isinstance(m, MoE))
+    section = config.expert_parallel
+    return sizes + ((section.autoep_size,) if section.enabled else ())
+
+
+def _expert_parallel(model: nn.Module, config: ShardSpeedConfig, topology: Any) -> None:
+    """The `expert_parallel` section applied: the model's MoE blocks' experts spread over the
+    mesh's expert groups (moe/auto_ep.py)."""
+    section = config.expert_parallel
+    if not section.enabled:
+        return
+    try:
+        groups = topology.expert_groups(
+            section.autoep_size, config.use_data_before_expert_parallelism
+        )
+    except ValueError:
+        raise ConfigError(
+            f"'expert_parallel.autoep_size' is {section.autoep_size}, which does not divide "
+            f"the {topology.dp_world_size} data-parallel ranks: use a divisor of it"
+        ) from None
+    apply_expert_parallel(model, section, groups)
 
 
 def _configure(

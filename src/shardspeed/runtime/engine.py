@@ -274,7 +274,7 @@ class ShardSpeedEngine(nn.Module):
             RunFacts(
                 pipeline_stages=topo.num_stages,
                 tensor_parallel_size=topo.tp_world_size,
-                moe_ep_sizes=tuple(layer.ep_size for layer in self.moe_layers.values()),
+                moe_ep_sizes=self.experts.ep_sizes,
                 compressed_optimizer=type(basic).__name__,
             ),
         )

@@ -1,0 +1,137 @@
+"""Expert parallelism for the experts of Hugging Face MoE models (transformers' experts interface).
+
+A transformers MoE block routes with its own router, then calls its experts module as
+`experts(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])`; the
+experts' weights are fused 3-D tensors whose first dimension is the expert (`gate_up_proj`,
+`down_proj`, and GPT-OSS's biases). `shard_experts` keeps, on each rank of an expert group of
+`size` ranks, the experts `rank * local ... (rank + 1) * local - 1` of every such tensor (sliced in
+place: the same Parameter objects, the same names) and makes the module dropless expert-parallel:
+
+1. each (token, choice) pair is sorted by expert, so the rows for each rank are contiguous;
+2. the per-expert counts go to every rank (one all-to-all of `experts` integers), then one host
+   read of the split sizes (a variable-split exchange cannot be sized on the device);
+3. one all-to-all with those splits sends every row to the rank holding its expert;
+4. the rows run through the model's own experts code (its class's forward, or transformers'
+   grouped-matmul implementation) on this rank's experts, each row with weight 1;
+5. the reverse all-to-all brings the outputs home, where each is weighted by its gate value and
+   added into its token in expert order, as the model's own loop adds them.
+
+Routing is untouched (the block's router runs as it does without EP), so router logits, the
+auxiliary loss and shared experts come out as the model returns them. Backward runs the exchanges
+in reverse; each rank's expert gradients then hold its expert group's tokens' share, and the ZeRO
+optimizer sums them over the expert-data group and divides by the data-parallel size (see
+`placement.py`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm import ExpertGroups, all_to_all_single
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """An experts module's place in its expert group: `local` of `experts` experts, from
+    `first`, on rank `groups.ep_rank` of `groups.ep_size`."""
+
+    experts: int
+    local: int
+    first: int
+    groups: ExpertGroups
+    family_forward: Any  # the experts class's own forward (unbound)
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Rows to ranks with split sizes; the gradient goes back with the sizes swapped."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, group: Any, rows: torch.Tensor, send: list[int], receive: list[int]
+    ) -> torch.Tensor:
+        ctx.group, ctx.send, ctx.receive = group, send, receive
+        out = rows.new_empty((sum(receive), *rows.shape[1:]))
+        all_to_all_single(out, rows.contiguous(), receive, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        back = _AllToAllRows.apply(ctx.group, grad.contiguous(), ctx.receive, ctx.send)
+        return None, back, None, None
+
+
+class ExpertParallel:
+    """Mixed into an experts module's class by `shard_experts` (the module keeps its class's
+    code, parameter names and `isinstance` answers; FSDP2's `fully_shard` does the same)."""
+
+    expert_shard: ExpertShard
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        shard = self.expert_shard
+        if shard.groups.ep_size == 1:
+            return shard.family_forward(self, hidden_states, top_k_index, top_k_weights)
+        choices = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // choices  # pair p is token p // k's choice p % k
+        counts = torch.bincount(flat, minlength=shard.experts)
+        size, local = shard.groups.ep_size, shard.local
+        group = shard.groups.ep_group
+        received = torch.empty_like(counts)
+        all_to_all_single(received, counts, group=group)  # [source rank, local expert]
+        sizes = torch.stack([counts.view(size, local).sum(1), received.view(size, local).sum(1)])
+        send, receive = sizes.tolist()
+        rows = _AllToAllRows.apply(group, hidden_states.index_select(0, token), send, receive)
+        local_expert = torch.arange(local, device=rows.device).repeat(size)
+        local_expert = local_expert.repeat_interleave(received)
+        ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
+        out = shard.family_forward(self, rows, local_expert.unsqueeze(1), ones)
+        back = _AllToAllRows.apply(group, out, receive, send)
+        weighted = back * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        combined = torch.zeros_like(hidden_states)
+        return combined.index_add_(0, token, weighted.to(combined.dtype))
+
+
+def expert_tensors(experts: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The experts module's own parameters (all of them per expert, on the first dimension)."""
+    return list(experts.named_parameters(recurse=False))
+
+
+def shard_experts(experts: nn.Module, groups: ExpertGroups, implementation: str | None) -> None:
+    """Make `experts` (a transformers experts module of E experts) expert-parallel over `groups`:
+    keep this rank's E / ep_size experts of each tensor, in place, and dispatch as the module
+    docstring says. `implementation`: transformers' experts implementation for the local experts
+    ("grouped_mm", "eager"), or None to keep the model's."""
+    tensors = expert_tensors(experts)
+    count = tensors[0][1].shape[0]
+    local = count // groups.ep_size
+    first = groups.ep_rank * local
+    cls = type(experts)
+    for _, param in tensors:
+        # The same Parameter object: an optimizer the script built over the model keeps it.
+        param.data = param.data[first : first + local].clone()
+        param.allreduce = False  # DeepSpeed's marks of an expert parameter
+        param.group_name = f"ep_size_{groups.ep_size}"
+    experts.num_experts = local
+    if implementation is not None and hasattr(experts, "config"):
+        experts.config = copy.copy(experts.config)  # this module's own choice, not the model's
+        experts.config._experts_implementation = implementation
+    experts.expert_shard = ExpertShard(count, local, first, groups, cls.forward)
+    experts.__class__ = _expert_parallel_class(cls)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _expert_parallel_class(cls: type) -> type:
+    """One mixed class per experts class (copies of the module share it)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
+    return _CLASSES[cls]
