@@ -74,3 +74,191 @@ def test_each_family_at_ep2_zero2_equals_one_process(pool2, family):
     for name, shape in results[0]["local"].items():
         if "shared" not in name:
             assert shape[0] == 2, (name, shape)
+
+
+# -- composition ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_ep2_at_zero_0_and_1_equals_one_process(pool2, stage):
+    assert_like_one_process(pool2.run(train, "deepseek_v3", 2, stage), "deepseek_v3")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_ep2_by_dp2_on_4_ranks_equals_one_process(pool4, stage):
+    # Expert groups {0, 1} and {2, 3}; ranks 0 and 2 hold experts 0-1 and average them.
+    assert_like_one_process(pool4.run(train, "qwen2_moe", 2, stage), "qwen2_moe")
+
+
+def test_ep4_holds_one_expert_per_rank(pool4):
+    results = pool4.run(train, "mixtral", 4, 2)
+    assert_like_one_process(results, "mixtral")
+    assert {shape[0] for shape in results[0]["local"].values()} == {1}
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+
+def train_from(
+    family: str,
+    autoep: int | None,
+    micro: int,
+    first: int,
+    last: int,
+    load: str | None,
+    save: str | None,
+) -> dict:
+    """Steps first .. last - 1 of the global batches (4 sequences each, `micro` per rank), after
+    loading `load`, saving into `save` at the end; `autoep` None: no expert parallelism."""
+    model = build(family)
+    config = ep_config(autoep or 1, 2)
+    config["train_micro_batch_size_per_gpu"] = micro
+    if autoep is None:
+        del config["expert_parallel"]
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    if load is not None:
+        engine.load_checkpoint(load)
+    rank = engine.global_rank
+    for step in range(first, last):
+        ids = global_batch(step, 4 // MICRO)[rank * micro : (rank + 1) * micro]
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    if save is not None:
+        engine.save_checkpoint(save)
+    return {"weights": consolidated_state_dict(engine), "steps": engine.global_steps}
+
+
+def assert_same_weights(got: dict, want: dict, tol: float) -> None:
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        if name.endswith("k_proj.bias"):
+            continue
+        err = ((got[name] - value).norm() / value.norm()).item()
+        assert err <= tol, f"{name}: relative error {err:.2e}"
+
+
+def test_a_checkpoint_at_ep2_resumes_at_ep4_and_without_ep(pool2, pool4, tmp_path):
+    """Saved at EP 2 (ZeRO 2, 2 ranks) after 2 steps: resumed at EP 4 on 4 ranks and on one
+    process without expert parallelism, the third step ends where the uninterrupted run does
+    (the same 4 sequences per step whatever the world: 2 x 2, 4 x 1, 1 x 4)."""
+    family, saved = "qwen3_moe", str(tmp_path / "ckpt")
+    uninterrupted = pool2.run(train_from, family, 2, MICRO, 0, 3, None, None)[0]["weights"]
+    pool2.run(train_from, family, 2, MICRO, 0, 2, None, saved)
+    at_ep4 = pool4.run(train_from, family, 4, 1, 2, 3, saved, None)[0]
+    assert at_ep4["steps"] == 3
+    assert_same_weights(at_ep4["weights"], uninterrupted, 1e-5)
+    from shardspeed.testing import RankPool
+
+    with RankPool(1) as one:
+        plain = one.run(train_from, family, None, 4, 2, 3, saved, None)[0]
+    assert_same_weights(plain["weights"], uninterrupted, 1e-5)
+
+
+def export_and_reload(family: str, directory: str) -> dict:
+    """save_16bit_model at EP 2, written beside the model's config: what from_pretrained loads
+    into the plain model, and the engine's logits on a batch."""
+    model = build(family)
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ep_config(2, 2)
+    )
+    ids = global_batch(0, 1)
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_16bit_model(directory, "model.safetensors")
+    if engine.global_rank == 0:
+        model.config.save_pretrained(directory)
+    with torch.no_grad():
+        logits = engine(input_ids=ids).logits
+    return {"logits": logits}
+
+
+def test_the_exported_model_loads_with_from_pretrained(pool2, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    results = pool2.run(export_and_reload, "gpt_oss", str(tmp_path))
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path)).float()
+    with torch.no_grad():
+        logits = plain(input_ids=global_batch(0, 1)).logits
+    assert torch.allclose(logits, results[0]["logits"], rtol=1e-5, atol=1e-5)
+
+
+# -- refusals -------------------------------------------------------------------------------------
+
+
+REFUSED = [  # (family, config changes, section keys, what the message must say)
+    ("qwen3_moe", {"zero_optimization": {"stage": 3}}, {}, "ZeRO stage 3 ('zero_optimization.stage')"),
+    ("qwen3_moe", {"sequence_parallel_size": 2}, {}, "sequence parallelism ('sequence_parallel_size')"),
+    ("qwen3_moe", {}, {"autoep_size": 3}, "'expert_parallel.autoep_size' is 3, which does not divide the 2 data-parallel ranks"),
+    ("qwen3_moe", {}, {"preset_model": "mixtral"}, "'expert_parallel.preset_model' is 'mixtral', for model types ['mixtral'], but this model's config says 'qwen3_moe'"),
+    ("qwen3_moe", {}, {"score_func": "sigmoid"}, "'expert_parallel.score_func' is 'sigmoid', but the model's router uses 'softmax'"),
+    ("qwen3_moe", {}, {"top_k": 1}, "'expert_parallel.top_k' is 1, but the model's router uses 2"),
+    ("deepseek_v3", {}, {"routed_scaling_factor": 1.0}, "'expert_parallel.route_scale' is 1.0, but the model's router uses 2.5"),
+    ("deepseek_v3", {}, {"num_expert_groups": 4, "num_limited_groups": 1}, "'expert_parallel.num_expert_groups' is 4, but the model's router uses 2"),
+    ("mixtral", {}, {"route_norm": False}, "'expert_parallel.route_norm' is False, but the model's router uses True"),
+    ("qwen3_moe", {}, {"router_pattern": "router"}, "'expert_parallel.router_pattern' names the router 'router', which 'model.layers.0.mlp' does not have"),
+    ("qwen3_moe", {}, {"expert_w1": "w1"}, "'expert_parallel.expert_w1' is 'w1', which 'model.layers.0.mlp.experts' does not hold"),
+    ("qwen3_moe", {}, {"moe_layer_pattern": r"model\.layers\.\d+"}, "'expert_parallel.moe_layer_pattern' matches 'model.layers.0', which has no 'experts' child"),
+    ("qwen3_moe", {}, {"num_experts_attr": "expert_count"}, "'expert_parallel.num_experts_attr' is 'expert_count', which the model's config does not have"),
+    ("qwen2_moe", {}, {"has_shared_experts": False}, "'expert_parallel.has_shared_experts' is false, but 'model.layers.0.mlp' has shared experts"),
+]  # fmt: skip
+
+
+def refusals() -> list[str]:
+    messages = []
+    for family, changes, section, _ in REFUSED:
+        config = {**ep_config(2, 2, **section), **changes}
+        model = build(family)
+        try:
+            shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        except shardspeed.ConfigError as error:
+            messages.append(str(error))
+        else:
+            messages.append("accepted")
+    return messages
+
+
+def test_what_expert_parallelism_cannot_honour_is_refused_by_name(pool2):
+    for (family, changes, section, expected), message in zip(REFUSED, pool2.run(refusals)[0]):
+        assert expected in message, (family, changes, section, message)
+
+
+def test_keys_shardspeed_does_not_offer_are_refused_by_the_config():
+    from shardspeed.config import load_config
+
+    for key, value in (
+        ("load_balance_coeff", 0.001),
+        ("expert_tensor_parallel_size", 2),
+        ("validate_folding_routing", True),
+    ):
+        section = {"enabled": True, "autoep_size": 2, key: value}
+        with pytest.raises(
+            shardspeed.ConfigError, match=rf"'expert_parallel\.{key}' is not supported"
+        ):
+            load_config({"train_batch_size": 2, "expert_parallel": section}, 1)
+    with pytest.raises(shardspeed.ConfigError, match="'expert_parallel.combine_impl'"):
+        load_config({"train_batch_size": 2, "expert_parallel": {"combine_impl": "legacy_bmm"}}, 1)
+
+
+def dense_model_with_the_section() -> str:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                    intermediate_size=48, max_position_embeddings=64)
+    )  # fmt: skip
+    try:
+        shardspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=ep_config(2, 2)
+        )
+    except shardspeed.ConfigError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_a_model_without_moe_blocks_is_refused_naming_what_to_set(pool2):
+    message = pool2.run(dense_model_with_the_section)[0]
+    assert "'expert_parallel' is enabled, but LlamaForCausalLM has no MoE block" in message
+    assert "'expert_parallel.preset_model'" in message and "moe_layer_pattern" in message
