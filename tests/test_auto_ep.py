@@ -238,7 +238,7 @@ def test_keys_shardspeed_does_not_offer_are_refused_by_the_config():
             shardspeed.ConfigError, match=rf"'expert_parallel\.{key}' is not supported"
         ):
             load_config({"train_batch_size": 2, "expert_parallel": section}, 1)
-    with pytest.raises(shardspeed.ConfigError, match="'expert_parallel.combine_impl'"):
+    with pytest.raises(shardspeed.ConfigError, match=r"'expert_parallel\.combine_impl'"):
         load_config({"train_batch_size": 2, "expert_parallel": {"combine_impl": "legacy_bmm"}}, 1)
 
 
