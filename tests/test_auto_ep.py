@@ -14,29 +14,31 @@ import pytest
 import torch
 
 import shardspeed
-from moe_families import FAMILIES, MICRO, build, global_batch, reference
+from moe_families import FAMILIES, MICRO, SEQ, build, global_batch, reference
 from shardspeed.checkpoint.sixteen_bit import consolidated_state_dict
 
 STEPS, LR = 3, 1e-2
 
 
-def ep_config(autoep: int, stage: int, **section) -> dict:
+def ep_config(autoep: int, stage: int, zero: dict | None = None, **section) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **(zero or {})},
         "gradient_clipping": 0.0,
         "expert_parallel": {"enabled": True, "autoep_size": autoep, **section},
     }
 
 
-def train(family: str, autoep: int, stage: int, section: dict | None = None) -> dict:
+def train(
+    family: str, autoep: int, stage: int, section: dict | None = None, zero: dict | None = None
+) -> dict:
     """STEPS steps of `family` under the engine; each rank's losses and the whole weights."""
     model = build(family)
     engine, *_ = shardspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
-        config=ep_config(autoep, stage, **(section or {})),
+        config=ep_config(autoep, stage, zero, **(section or {})),
     )
     rank, world = engine.global_rank, engine.world_size
     losses = []
@@ -262,3 +264,32 @@ def test_a_model_without_moe_blocks_is_refused_naming_what_to_set(pool2):
     message = pool2.run(dense_model_with_the_section)[0]
     assert "'expert_parallel' is enabled, but LlamaForCausalLM has no MoE block" in message
     assert "'expert_parallel.preset_model'" in message and "moe_layer_pattern" in message
+
+
+def test_ep2_with_cpu_optimizer_offload_equals_one_process(pool2):
+    offload = {"offload_optimizer": {"device": "cpu"}}
+    assert_like_one_process(pool2.run(train, "olmoe", 2, 2, None, offload), "olmoe")
+
+
+def routing_report(family: str) -> dict:
+    model = build(family)
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ep_config(2, 2)
+    )
+    ids = global_batch(0, 2)[engine.global_rank * MICRO : (engine.global_rank + 1) * MICRO]
+    engine(input_ids=ids, labels=ids)
+    mine = {n: load["exp_counts"].tolist() for n, load in engine.expert_load().items()}
+    summed = engine.expert_load(over_data_parallel=True)
+    return {"mine": mine, "summed": {n: v["exp_counts"].tolist() for n, v in summed.items()}}
+
+
+def test_expert_load_reports_each_blocks_routing(pool2):
+    results = pool2.run(routing_report, "qwen3_moe")
+    names = sorted(results[0]["mine"])
+    assert names == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for name in names:
+        mine = [r["mine"][name] for r in results]
+        # Every (token, choice) pair of the rank's micro-batch is counted once: tokens x top 2.
+        assert all(sum(counts) == MICRO * SEQ * 2 for counts in mine)
+        total = [a + b for a, b in zip(*mine)]
+        assert all(r["summed"][name] == total for r in results)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..comm import ExpertGroups, all_to_all_single
+from .gating import imbalance
 
 
 @dataclass(frozen=True)
@@ -75,13 +76,14 @@ class ExpertParallel:
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         shard = self.expert_shard
+        flat = top_k_index.reshape(-1)
+        counts = torch.bincount(flat, minlength=shard.experts)
+        self.last_counts = counts.detach()  # the routing this rank asked for (`expert_load`)
         if shard.groups.ep_size == 1:
             return shard.family_forward(self, hidden_states, top_k_index, top_k_weights)
         choices = top_k_index.shape[-1]
-        flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // choices  # pair p is token p // k's choice p % k
-        counts = torch.bincount(flat, minlength=shard.experts)
         size, local = shard.groups.ep_size, shard.local
         group = shard.groups.ep_group
         received = torch.empty_like(counts)
@@ -97,6 +99,19 @@ class ExpertParallel:
         weighted = back * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(1)
         combined = torch.zeros_like(hidden_states)
         return combined.index_add_(0, token, weighted.to(combined.dtype))
+
+    def expert_load(self) -> dict[str, Any]:
+        """The last forward's routing on this rank, as `MoE.expert_load` reports it (nothing is
+        dropped): tensors stay on the device; only `imbalance` syncs."""
+        counts = getattr(self, "last_counts", None)
+        if counts is None:
+            return {}
+        return {
+            "exp_counts": counts,
+            "tokens_per_expert": counts,
+            "dropped": counts.new_zeros(()),
+            "imbalance": imbalance(counts),
+        }
 
 
 def expert_tensors(experts: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -34,6 +34,7 @@ class ExpertPlacement:
     tensor_names: dict[str, tuple[str, bool]]
     parameters: list[ExpertParameters]
     splits: dict[str, tuple[int, int, Any]]
+    routed: dict[str, Any]  # what reports its routing (`expert_load()`): layers, HF experts
 
     @property
     def ep_sizes(self) -> tuple[int, ...]:
@@ -60,9 +61,8 @@ def place_experts(
             if layer.ep_size == size:
                 layer.set_expert_groups(groups)
     names = _expert_tensor_names(layers)
-    sharded = {
-        n: m for n, m in module.named_modules() if isinstance(m, ExpertParallel) and _spread(m)
-    }
+    parallel = {n: m for n, m in module.named_modules() if isinstance(m, ExpertParallel)}
+    sharded = {n: m for n, m in parallel.items() if _spread(m)}
     return ExpertPlacement(
         layers,
         names,
@@ -76,6 +76,7 @@ def place_experts(
             for prefix, m in sharded.items()
             for name, _ in expert_tensors(m)
         },
+        {**layers, **parallel},
     )
 
 
@@ -146,8 +147,9 @@ def _expert_parameters(
     return out
 
 
-def expert_load(layers: dict[str, MoE], group: Any = None, world: int = 1) -> dict[str, Any]:
-    """Per layer, its last forward's routing (see `MOELayer.expert_load`); summed over `group`
+def expert_load(layers: dict[str, Any], group: Any = None, world: int = 1) -> dict[str, Any]:
+    """Per layer (an `MoE`, or a Hugging Face block's expert-parallel experts), its last
+    forward's routing (see `MOELayer.expert_load`); summed over `group`
     when it has more than one rank (collective: one small all-reduce per layer)."""
     report = {}
     for name, layer in layers.items():

@@ -635,13 +635,15 @@ class ShardSpeedEngine(nn.Module):
         return stream_weights(self, bucket_bytes, dtype)
 
     def expert_load(self, over_data_parallel: bool = False) -> dict[str, dict[str, Any]]:
-        """Per MoE layer (by module name), its last forward's routing: tokens asked of each of
-        its experts (`exp_counts`), tokens each got (`tokens_per_expert`), tokens dropped, and the
-        imbalance (busiest expert's tokens over the mean). This rank's tokens, or with
-        `over_data_parallel` summed over the data-parallel group (collective)."""
+        """Per MoE layer or Hugging Face MoE block's experts (by module name), its last forward's
+        routing: tokens asked of each of its experts (`exp_counts`), tokens each got
+        (`tokens_per_expert`), tokens dropped, and the imbalance (busiest expert's tokens over
+        the mean). This rank's tokens, or with `over_data_parallel` summed over the
+        data-parallel group (collective)."""
+        routed = self.experts.routed
         if not over_data_parallel:
-            return expert_load(self.moe_layers)
-        return expert_load(self.moe_layers, self.topology.dp_group, self.dp_world_size)
+            return expert_load(routed)
+        return expert_load(routed, self.topology.dp_group, self.dp_world_size)
 
 
 def _client_optimizer(
