@@ -223,6 +223,50 @@ def trainer_stages(out: Path) -> None:
 
 
 @case
+def trainer_expert_parallel(out: Path) -> None:
+    """A Qwen3-MoE model through Trainer with the documented ZeRO-2 config plus DeepSpeed's
+    `expert_parallel` section (autoep_size 2): losses and final weights against the same Trainer
+    without DeepSpeed, which runs every expert on every rank."""
+    from moe_families import family_config
+
+    path = out / "pretrained_moe"
+    if rank() == 0 and not path.exists():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(family_config("qwen3_moe")).save_pretrained(path)
+    torch.distributed.barrier()
+    reference_args = training_args(out / "moe_plain", None)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    reference = Trainer(
+        model=model,
+        args=reference_args,
+        train_dataset=dataset(),
+        optimizers=(optimizer, warmup_schedule(optimizer)),
+    )
+    reference.train()
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ds = {**ZERO2, "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    trainer = deepspeed_trainer(out / "moe_ep", ds, AutoModelForCausalLM.from_pretrained(path))
+    trainer.train()
+    engine = trainer.model_wrapped
+    trained = engine._zero3_consolidated_16bit_state_dict()  # rank 0's, whole (collective)
+    difference = (
+        max(((trained[n] - v).norm() / v.norm()).item() for n, v in expected.items())
+        if trained is not None
+        else None
+    )
+    experts = engine.module.model.layers[0].mlp.experts
+    record(
+        out,
+        "trainer_expert_parallel",
+        trainer,
+        reference,
+        local_experts=experts.gate_up_proj.shape[0],
+        relative_difference=difference,
+    )
+
+
+@case
 def trainer_zero3_pretrained(out: Path) -> None:
     """ZeRO-3 with the model loaded by from_pretrained under zero.Init: the loaded weights equal
     the saved ones exactly; losses equal the reference's; evaluate() after training; save_model

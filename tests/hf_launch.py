@@ -24,6 +24,7 @@ TWO_PROCESS_CASES = [
     "trainer_cpu_offload",
     "trainer_resume_deepspeed_run",
     "accelerate_plugin",
+    "trainer_expert_parallel",
 ]
 POST_TRAINING_CASES = ["trl_sft", "trl_dpo", "trl_grpo", "peft_lora"]  # post_training_jobs.py
 # Last: registering sequence parallelism replaces transformers' sdpa attention for the process.

@@ -64,6 +64,17 @@ def test_trainer_stages_match_plain_trainer(two: Path, stage: int) -> None:
     assert_losses_match(run)
 
 
+def test_trainer_with_the_expert_parallel_section(two: Path) -> None:
+    """Trainer handed a config with DeepSpeed's `expert_parallel` section trains a Qwen3-MoE
+    model with its experts spread over the 2 ranks: every loss within 1e-5 relative and the
+    weights within 5e-5 of the Trainer without DeepSpeed (measured in the result)."""
+    run = result(two, "trainer_expert_parallel")
+    assert_shardspeed(run, 2)
+    assert run["local_experts"] == 2  # of 4
+    assert_losses_match(run)
+    assert run["relative_difference"] < 5e-5, run
+
+
 def test_trainer_zero3_from_pretrained(two: Path) -> None:
     run = result(two, "trainer_zero3_pretrained")
     assert_shardspeed(run, 3)
