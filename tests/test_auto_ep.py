@@ -293,3 +293,21 @@ def test_expert_load_reports_each_blocks_routing(pool2):
         assert all(sum(counts) == MICRO * SEQ * 2 for counts in mine)
         total = [a + b for a, b in zip(*mine)]
         assert all(r["summed"][name] == total for r in results)
+
+
+def streamed_and_consolidated(family: str) -> dict:
+    model = build(family)
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ep_config(2, 2)
+    )
+    streamed = {name: t.clone() for item in engine.stream_weights() for name, t in item}
+    assert len(streamed) == len(list(model.parameters()))
+    return {"streamed": streamed, "whole": consolidated_state_dict(engine)}
+
+
+def test_stream_weights_gives_the_experts_whole(pool2):
+    for result in pool2.run(streamed_and_consolidated, "deepseek_v3"):
+        assert set(result["streamed"]) <= set(result["whole"])  # parameters; buffers aside
+        for name, tensor in result["streamed"].items():
+            assert torch.equal(tensor, result["whole"][name]), name
+        assert result["streamed"]["model.layers.1.mlp.experts.gate_up_proj"].shape[0] == 4
