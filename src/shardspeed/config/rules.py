@@ -52,16 +52,29 @@ def _stage(config: ShardSpeedConfig) -> int:
     return config.zero_optimization.stage
 
 
-def _expert_sizes(facts: RunFacts) -> list[int]:
+def _expert_sizes(config: ShardSpeedConfig, facts: RunFacts) -> list[int]:
+    """The expert-parallel sizes above 1: the model's MoE layers' and the config's section's."""
+    section = config.expert_parallel
+    sizes = {*(facts.moe_ep_sizes or ()), section.autoep_size if section.enabled else 1}
+    return sorted(size for size in sizes if size > 1)
+
+
+def _layer_sizes(facts: RunFacts) -> list[int]:
     return sorted({size for size in facts.moe_ep_sizes or () if size > 1})
 
 
-def _experts_refused(with_: str) -> Message:
-    return lambda config, facts: (
-        f"expert parallelism of size {_expert_sizes(facts)} (MoE layers' ep_size, or "
-        f"'expert_parallel.autoep_size') does not combine with {with_} yet: use data "
-        "parallelism with ZeRO stage 0, 1 or 2, or an expert-parallel size of 1"
-    )
+def _experts_refused(with_: str, layers_only: bool = False) -> Message:
+    def message(config: ShardSpeedConfig, facts: RunFacts) -> str:
+        sizes = _layer_sizes(facts) if layers_only else _expert_sizes(config, facts)
+        return (
+            f"expert parallelism of size {sizes} ("
+            + ("MoE layers' ep_size" if layers_only else "MoE layers' ep_size, or "
+               "'expert_parallel.autoep_size'")
+            + f") does not combine with {with_} yet: use data parallelism with ZeRO stage 0, 1 "
+            "or 2, or an expert-parallel size of 1"
+        )  # fmt: skip
+
+    return message
 
 
 def _sequence_parallel(config: ShardSpeedConfig) -> bool:
@@ -230,22 +243,36 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "experts without tensor parallelism",
         "tensor_parallel.autotp_size",
-        lambda config, facts: bool(_expert_sizes(facts)) and facts.tensor_parallel_size > 1,
+        lambda config, facts: bool(_expert_sizes(config, facts)) and facts.tensor_parallel_size > 1,
         _experts_refused("tensor parallelism ('tensor_parallel.autotp_size', or an mpu)"),
         needs=("moe_ep_sizes", "tensor_parallel_size"),
     ),
     Rule(
         "experts without a pipeline",
         "PipelineModule",
-        lambda config, facts: bool(_expert_sizes(facts)) and facts.pipeline_stages > 1,
+        lambda config, facts: bool(_expert_sizes(config, facts)) and facts.pipeline_stages > 1,
         _experts_refused("pipeline parallelism (a PipelineModule of several stages)"),
         needs=("moe_ep_sizes", "pipeline_stages"),
     ),
     Rule(
         "experts without stage 3",
         "zero_optimization.stage",
-        lambda config, facts: bool(_expert_sizes(facts)) and _stage(config) == 3,
-        _experts_refused("ZeRO stage 3 ('zero_optimization.stage')"),
+        # The expert_parallel section's experts are stage-3 units of their own; the MoE layer
+        # gathers its experts itself.
+        lambda config, facts: bool(_layer_sizes(facts)) and _stage(config) == 3,
+        _experts_refused("ZeRO stage 3 ('zero_optimization.stage')", layers_only=True),
+        needs=("moe_ep_sizes",),
+    ),
+    Rule(
+        "experts without hpZ",
+        "zero_optimization.zero_hpz_partition_size",
+        lambda config, facts: (
+            bool(_expert_sizes(config, facts))
+            and config.zero_optimization.zero_hpz_partition_size > 1
+        ),
+        _experts_refused(
+            "ZeRO++'s hierarchical partitioning ('zero_optimization.zero_hpz_partition_size')"
+        ),
         needs=("moe_ep_sizes",),
     ),
     Rule(
@@ -270,7 +297,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "experts without sequence parallelism",
         "sequence_parallel_size",
-        lambda config, facts: _sequence_parallel(config) and bool(_expert_sizes(facts)),
+        lambda config, facts: _sequence_parallel(config) and bool(_expert_sizes(config, facts)),
         _experts_refused("sequence parallelism ('sequence_parallel_size')"),
         needs=("moe_ep_sizes",),
     ),
@@ -292,6 +319,7 @@ RULES: tuple[Rule, ...] = (
             or facts.pipeline_stages > 1
             or facts.tensor_parallel_size > 1
             or bool(facts.moe_ep_sizes)
+            or bool(_expert_sizes(config, facts))
         ),
         lambda config, facts: (
             f"{facts.compressed_optimizer} compresses the data-parallel gradient exchange itself: "

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..comm import ExpertGroups, all_to_all_single
+from ..zero.init import materialize
 from .gating import imbalance
 
 
@@ -125,6 +126,7 @@ def shard_experts(experts: nn.Module, groups: ExpertGroups, implementation: str 
     docstring says. `implementation`: transformers' experts implementation for the local experts
     ("grouped_mm", "eager"), or None to keep the model's."""
     tensors = expert_tensors(experts)
+    materialize([p for _, p in tensors])  # built under zero.Init: whole again, then sliced
     count = tensors[0][1].shape[0]
     local = count // groups.ep_size
     first = groups.ep_rank * local

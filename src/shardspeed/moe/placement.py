@@ -38,10 +38,8 @@ class ExpertPlacement:
 
     @property
     def ep_sizes(self) -> tuple[int, ...]:
-        """The expert-parallel size of every MoE layer and Hugging Face experts module."""
-        return tuple(m.ep_size for m in self.layers.values()) + tuple(
-            parts for parts, _, _ in self.splits.values()
-        )
+        """The expert-parallel size of every MoE layer (the config's section says its own)."""
+        return tuple(m.ep_size for m in self.layers.values())
 
 
 def place_experts(

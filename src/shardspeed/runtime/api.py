@@ -76,7 +76,7 @@ def initialize(
             pipeline_stages=topology.num_stages,
             tensor_parallel_size=topology.tp_world_size,
             autotp_size=autotp_size,
-            moe_ep_sizes=_ep_sizes(model, run_config),
+            moe_ep_sizes=tuple(m.ep_size for m in model.modules() if isinstance(m, MoE)),
             zero_group_size=topology.get_sequence_data_parallel_world_size(),
         ),
     )
@@ -100,13 +100,6 @@ def initialize(
         components=_components(model, run_config),
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def _ep_sizes(model: nn.Module, config: ShardSpeedConfig) -> tuple[int, ...]:
-    """The expert-parallel sizes the run asks for: its MoE layers', and the config's section."""
-    sizes = tuple(m.ep_size for m in model.modules() if isinstance(m, MoE))
-    section = config.expert_parallel
-    return sizes + ((section.autoep_size,) if section.enabled else ())
 
 
 def _expert_parallel(model: nn.Module, config: ShardSpeedConfig, topology: Any) -> None:

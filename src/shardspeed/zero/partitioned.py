@@ -139,12 +139,15 @@ class Stage3Options:
 
 @dataclass
 class Unit:
-    """Parameters gathered together; `modules` are where its forward hooks go (none if persistent)."""
+    """Parameters gathered together; `modules` are where its forward hooks go (none if
+    persistent); `place` is the plan's place of its parameters (0: the data-parallel group; an
+    expert layer's: its expert-data group), whose group gathers it."""
 
     params: list[nn.Parameter]
     modules: list[nn.Module] = field(default_factory=list)
     persistent: bool = False
     name: str = ""
+    place: int = 0
 
 
 def leaf_modules(module: nn.Module, options: Stage3Options) -> set[nn.Module]:
@@ -176,9 +179,16 @@ def leaf_modules(module: nn.Module, options: Stage3Options) -> set[nn.Module]:
 
 
 def plan_units(
-    module: nn.Module, params: Sequence[nn.Parameter], options: Stage3Options
+    module: nn.Module,
+    params: Sequence[nn.Parameter],
+    options: Stage3Options,
+    place_of: dict[nn.Parameter, int] | None = None,
 ) -> list[Unit]:
-    """Split `params` (the trainable ones) into units, in backward's order (see below)."""
+    """Split `params` (the trainable ones) into units, in backward's order (see below). A block
+    holding expert weights (`place_of`: their place) gets a unit of its own for each place, its
+    experts' first (backward finishes a block's MLP before its attention); expert weights are
+    never persistent."""
+    place_of = place_of or {}
     leaves = leaf_modules(module, options)
     roots: list[tuple[str, nn.Module]] = []
     unit_of_module: dict[nn.Module, int] = {}
@@ -210,20 +220,31 @@ def plan_units(
     persistent, budget = [], options.model_persistence_threshold
     for p in params:
         numel = logical_shape(p).numel()
-        if (len(homes[p]) > 1 or numel <= options.persistence_threshold) and numel <= budget:
+        small = len(homes[p]) > 1 or numel <= options.persistence_threshold
+        if small and numel <= budget and not place_of.get(p, 0):
             persistent.append(p)
             budget -= numel
     kept = set(persistent)
-    units = []
+    per_root = []
     for index, (name, root) in enumerate([*roots, ("(rest of the model)", module)]):
         owned = [p for p in params if p not in kept and min(homes[p]) == index]
-        units.append(Unit(owned, [root], name=name))
+        places = sorted({place_of.get(p, 0) for p in owned} - {0}, reverse=True)
+        per_root.append(
+            [
+                *(
+                    Unit([p for p in owned if place_of.get(p, 0) == place], [root],
+                         name=f"{name} (experts)", place=place)
+                    for place in places
+                ),
+                Unit([p for p in owned if not place_of.get(p, 0)], [root], name=name),
+            ]
+        )  # fmt: skip
     # Units are laid out in the order backward finishes them: the last block first, the rest of
     # the model (its embeddings get gradients last) and the persistent unit at the end. Gradient
     # buckets are reduced in layout order, so any other order holds every bucket until the end.
     units = [
-        *reversed(units[:-1]),
-        units[-1],
+        *(unit for root_units in reversed(per_root[:-1]) for unit in root_units),
+        *per_root[-1],
         Unit(persistent, persistent=True, name="(persistent)"),
     ]
     assert sum(len(u.params) for u in units) == len(managed)
@@ -351,13 +372,15 @@ class ShardedParameters:
         unit_regions: list[range],
         store: MemoryShard | SwappedShard,
         params: list[nn.Parameter],
-        group: Any,
+        groups: Sequence[Any],
         options: Stage3Options | None = None,
         device: torch.device | None = None,
         streams: CommStreams | None = None,
     ) -> None:
+        """`groups`: the group of each place of the plan (a unit is gathered over its place's)."""
         self.units, self.layout, self.unit_regions = units, layout, unit_regions
-        self.store, self.group = store, group
+        self.store, self.group = store, groups[0]
+        self.unit_groups = [groups[unit.place] for unit in units]
         # Where gathered units live: the training device, also when `offload_param` keeps the
         # shard in host memory or in swap files (each gather then copies this rank's piece over).
         self.device = device or store.device
@@ -560,7 +583,7 @@ class ShardedParameters:
         group, ranks = (
             (self.options.hpz_group, self.options.hpz_partition_size)
             if secondary
-            else (self.group, self.layout.shards[regions[0]] if regions else 1)
+            else (self.unit_groups[u], self.layout.shards[regions[0]] if regions else 1)
         )
         rows, inputs, works, numel = None, [], [], 0
         with self.streams.side(self.streams.gather):
@@ -698,7 +721,7 @@ class ShardedParameters:
         start, _ = self.span(u)
         buffer = self.buffers[u]
         self._secondary_valid.discard(u)
-        rank = _group_rank(self.group)
+        rank = _group_rank(self.unit_groups[u])
         for r in self.unit_regions[u]:
             r_start, _ = self.layout.groups[r]
             size = self.layout.shard_size(r)
@@ -759,10 +782,10 @@ class GatheredParameters:
         if self.modifier_rank is not None and exc[0] is None:
             for owner, units in self.targets.items():
                 for u in sorted(units):
-                    src = self.modifier_rank
-                    if owner.group is not None:
-                        src = dist.get_global_rank(owner.group, src)
-                    broadcast(owner.buffers[u], src=src, group=owner.group)
+                    src, group = self.modifier_rank, owner.unit_groups[u]
+                    if group is not None:
+                        src = dist.get_global_rank(group, src)
+                    broadcast(owner.buffers[u], src=src, group=group)
                     owner.write_back(u)
         for owner, u in self._opened:
             owner.release(u)

@@ -281,15 +281,16 @@ def build_plan(
     actually run: the caller lowers it where one rank has nothing to shard). `whole_groups[g]`:
     param group `g`'s optimizer needs whole tensors."""
     groups = managed_groups(module, optimizer)
-    assert not (experts and stage == 3), "initialize refuses expert parallelism at ZeRO stage 3"
     places = (data, *(Place(e.group, e.rank, e.world_size) for e in experts))
     units: list[Unit] = []
     if stage == 3:
         assert not (segments or ties), "initialize refuses ZeRO stage 3 with a pipeline"
-        units = plan_units(module, [p for g in groups for p in g], stage3 or Stage3Options())
+        place_of = {p: i + 1 for i, e in enumerate(experts) for p in e.params}
+        params = [p for g in groups for p in g]
+        units = plan_units(module, params, stage3 or Stage3Options(), place_of)
         blocks = _Blocks()
         for unit in units:
-            blocks.add(unit.params, 0, None, 0)
+            blocks.add(unit.params, 0, None, unit.place)
     else:
         order = {p: i for i, p in enumerate(module.parameters())}
         blocks = _blocks(groups, segments, ties, experts, order)

@@ -335,7 +335,7 @@ class ShardedParams:
             list(plan.unit_regions),
             store,
             list(plan.params),
-            plan.places[0].group,
+            [place.group for place in plan.places],
             stage3,
             device,
         )
