@@ -48,8 +48,19 @@ def train(
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    local = {n: tuple(p.shape) for n, p in model.named_parameters() if "experts." in n}
-    return {"losses": losses, "weights": consolidated_state_dict(engine), "local": local}
+    local = {
+        n: tuple(p.ds_shape if stage == 3 else p.shape)
+        for n, p in model.named_parameters()
+        if "experts." in n
+    }
+    plan = engine.optimizer.plan
+    expert_shards = {plan.layout.shards[r] for r, place in enumerate(plan.region_place) if place}
+    return {
+        "losses": losses,
+        "weights": consolidated_state_dict(engine),
+        "local": local,
+        "expert_shards": sorted(expert_shards),
+    }
 
 
 def assert_like_one_process(results: list[dict], family: str) -> None:
@@ -109,11 +120,12 @@ def train_from(
     last: int,
     load: str | None,
     save: str | None,
+    stage: int = 2,
 ) -> dict:
     """Steps first .. last - 1 of the global batches (4 sequences each, `micro` per rank), after
     loading `load`, saving into `save` at the end; `autoep` None: no expert parallelism."""
     model = build(family)
-    config = ep_config(autoep or 1, 2)
+    config = ep_config(autoep or 1, stage)
     config["train_micro_batch_size_per_gpu"] = micro
     if autoep is None:
         del config["expert_parallel"]
@@ -142,13 +154,13 @@ def assert_same_weights(got: dict, want: dict, tol: float) -> None:
 
 
 def test_a_checkpoint_at_ep2_resumes_at_ep4_and_without_ep(pool2, pool4, tmp_path):
-    """Saved at EP 2 (ZeRO 2, 2 ranks) after 2 steps: resumed at EP 4 on 4 ranks and on one
-    process without expert parallelism, the third step ends where the uninterrupted run does
-    (the same 4 sequences per step whatever the world: 2 x 2, 4 x 1, 1 x 4)."""
+    """Saved at EP 2 (ZeRO 2, 2 ranks) after 2 steps: resumed at EP 4 on 4 ranks at ZeRO 3 and
+    on one process without expert parallelism, the third step ends where the uninterrupted run
+    does (the same 4 sequences per step whatever the world: 2 x 2, 4 x 1, 1 x 4)."""
     family, saved = "qwen3_moe", str(tmp_path / "ckpt")
     uninterrupted = pool2.run(train_from, family, 2, MICRO, 0, 3, None, None)[0]["weights"]
     pool2.run(train_from, family, 2, MICRO, 0, 2, None, saved)
-    at_ep4 = pool4.run(train_from, family, 4, 1, 2, 3, saved, None)[0]
+    at_ep4 = pool4.run(train_from, family, 4, 1, 2, 3, saved, None, 3)[0]
     assert at_ep4["steps"] == 3
     assert_same_weights(at_ep4["weights"], uninterrupted, 1e-5)
     from shardspeed.testing import RankPool
@@ -191,7 +203,7 @@ def test_the_exported_model_loads_with_from_pretrained(pool2, tmp_path):
 
 
 REFUSED = [  # (family, config changes, section keys, what the message must say)
-    ("qwen3_moe", {"zero_optimization": {"stage": 3}}, {}, "ZeRO stage 3 ('zero_optimization.stage')"),
+    ("qwen3_moe", {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, {}, "ZeRO++'s hierarchical partitioning ('zero_optimization.zero_hpz_partition_size')"),
     ("qwen3_moe", {"sequence_parallel_size": 2}, {}, "sequence parallelism ('sequence_parallel_size')"),
     ("qwen3_moe", {}, {"autoep_size": 3}, "'expert_parallel.autoep_size' is 3, which does not divide the 2 data-parallel ranks"),
     ("qwen3_moe", {}, {"preset_model": "mixtral"}, "'expert_parallel.preset_model' is 'mixtral', for model types ['mixtral'], but this model's config says 'qwen3_moe'"),
@@ -311,3 +323,21 @@ def test_stream_weights_gives_the_experts_whole(pool2):
         for name, tensor in result["streamed"].items():
             assert torch.equal(tensor, result["whole"][name]), name
         assert result["streamed"]["model.layers.1.mlp.experts.gate_up_proj"].shape[0] == 4
+
+
+# -- ZeRO stage 3 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_ep2_at_zero3_equals_one_process(pool2, family):
+    results = pool2.run(train, family, 2, 3)
+    assert_like_one_process(results, family)
+
+
+def test_ep2_by_dp2_at_zero3_partitions_experts_over_the_expert_data_group(pool4):
+    # Each expert piece (2 of 4 experts) is a ZeRO-3 unit of its own, sharded over the 2 ranks
+    # holding the same experts and gathered over them only.
+    results = pool4.run(train, "gpt_oss", 2, 3)
+    assert_like_one_process(results, "gpt_oss")
+    assert all(r["expert_shards"] == [2] for r in results)
+    assert {shape[0] for r in results for shape in r["local"].values()} == {2}

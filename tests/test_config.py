@@ -607,6 +607,13 @@ RULE_TRIGGERS: dict[str, tuple[dict, RunFacts | None]] = {
     ),
     "experts without a pipeline": ({}, RunFacts(moe_ep_sizes=(2,), pipeline_stages=2)),
     "experts without stage 3": ({"zero_optimization": {"stage": 3}}, RunFacts(moe_ep_sizes=(2,))),
+    "experts without hpZ": (
+        {
+            "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2},
+            "expert_parallel": {"enabled": True, "autoep_size": 2},
+        },
+        RunFacts(moe_ep_sizes=()),
+    ),
     "sequence parallelism without a pipeline": (
         {"sequence_parallel_size": 2},
         RunFacts(pipeline_module=True),

@@ -205,5 +205,5 @@ def _refusal(ep: int, **extra) -> str:
 def test_impossible_expert_parallel_layouts_are_refused(pool2):
     assert "does not divide the data-parallel size 2" in pool2.run(_refusal, 4)[0]
     message = pool2.run(_refusal, 2, tensor_parallel={"autotp_size": 2})[0]
-    assert "tensor parallelism" in message and "ep_size [2]" in message
+    assert "tensor parallelism" in message and "expert parallelism of size [2]" in message
     assert "ZeRO stage 3" in pool2.run(_refusal, 2, zero=3)[0]
