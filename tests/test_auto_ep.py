@@ -341,3 +341,34 @@ def test_ep2_by_dp2_at_zero3_partitions_experts_over_the_expert_data_group(pool4
     assert_like_one_process(results, "gpt_oss")
     assert all(r["expert_shards"] == [2] for r in results)
     assert {shape[0] for r in results for shape in r["local"].values()} == {2}
+
+
+def router_outputs(family: str) -> dict:
+    """The engine's (EP 2) and the plain model's router logits and auxiliary loss on this rank's
+    micro-batch."""
+    plain, model = build(family), build(family)
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ep_config(2, 2)
+    )
+    ids = global_batch(0, 2)[engine.global_rank * MICRO : (engine.global_rank + 1) * MICRO]
+    ours = engine(input_ids=ids, labels=ids, output_router_logits=True)
+    theirs = plain(input_ids=ids, labels=ids, output_router_logits=True)
+    return {
+        # The first block's router sees the same input bit for bit; later ones see the blocks
+        # before them, whose experts summed in another order (about 1e-7).
+        "first": torch.equal(ours.router_logits[0], theirs.router_logits[0]),
+        "logits": [
+            torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+            for a, b in zip(ours.router_logits, theirs.router_logits)
+        ],
+        "aux": (ours.aux_loss.item(), theirs.aux_loss.item()),
+        "loss": (ours.loss.item(), theirs.loss.item()),
+    }
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_router_logits_and_the_auxiliary_loss_come_back_as_the_model_returns_them(pool2, family):
+    for result in pool2.run(router_outputs, family):
+        assert result["first"] and len(result["logits"]) == 2 and all(result["logits"])
+        assert result["aux"][0] == pytest.approx(result["aux"][1], rel=1e-6)
+        assert result["loss"][0] == pytest.approx(result["loss"][1], rel=1e-5)
