@@ -243,7 +243,6 @@ def test_keys_shardspeed_does_not_offer_are_refused_by_the_config():
     from shardspeed.config import load_config
 
     for key, value in (
-        ("load_balance_coeff", 0.001),
         ("expert_tensor_parallel_size", 2),
         ("validate_folding_routing", True),
     ):
@@ -254,6 +253,25 @@ def test_keys_shardspeed_does_not_offer_are_refused_by_the_config():
             load_config({"train_batch_size": 2, "expert_parallel": section}, 1)
     with pytest.raises(shardspeed.ConfigError, match=r"'expert_parallel\.combine_impl'"):
         load_config({"train_batch_size": 2, "expert_parallel": {"combine_impl": "legacy_bmm"}}, 1)
+
+
+def unknown_router_with_balancing() -> str:
+    model = build("qwen3_moe")
+    model.config.model_type = "my_moe"  # no preset: the blocks are found from the structure
+    config = ep_config(2, 2, load_balance_coeff=0.01)
+    try:
+        shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    except shardspeed.ConfigError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_balancing_a_router_shardspeed_cannot_bias_is_refused(pool2):
+    message = pool2.run(unknown_router_with_balancing)[0]
+    assert "'expert_parallel.load_balance_coeff': auxiliary-loss-free balancing is offered for" in (
+        message
+    )
+    assert "not for my_moe's: remove the key" in message
 
 
 def dense_model_with_the_section() -> str:
@@ -372,3 +390,97 @@ def test_router_logits_and_the_auxiliary_loss_come_back_as_the_model_returns_the
         assert result["first"] and len(result["logits"]) == 2 and all(result["logits"])
         assert result["aux"][0] == pytest.approx(result["aux"][1], rel=1e-6)
         assert result["loss"][0] == pytest.approx(result["loss"][1], rel=1e-5)
+
+
+# -- load balancing -------------------------------------------------------------------------------
+
+
+def collapsed(family: str) -> torch.nn.Module:
+    """`family`'s model with 8 experts whose routers all favour experts 0 and 1: their rows
+    get a large part along the mean input of the router (what every token has most of)."""
+    model = build(family, experts=8)
+    inputs = []
+    hooks = [
+        layer.mlp.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach()))
+        for layer in model.model.layers
+    ]
+    with torch.no_grad():
+        ids = global_batch(0, 4)
+        model(input_ids=ids)
+        for hook in hooks:
+            hook.remove()
+        for layer, seen in zip(model.model.layers, inputs):
+            router = layer.mlp.router if hasattr(layer.mlp, "router") else layer.mlp.gate
+            direction = seen.reshape(-1, seen.shape[-1]).mean(0)
+            router.weight[:2] += 3 * direction / direction.norm()
+    return model
+
+
+def balanced_training(family: str, coeff: float | None, steps: int) -> dict:
+    """`steps` steps at lr 0 (the weights never move: only the routing bias does) on the
+    collapsed model; every step's busiest-expert load over the mean (block 0, all ranks), and
+    whether the gate values the router returns are its unbiased ones for the experts chosen."""
+    model = collapsed(family)
+    config = ep_config(2, 2, **({"load_balance_coeff": coeff} if coeff else {}))
+    config["optimizer"]["params"]["lr"] = 0.0
+    config["train_micro_batch_size_per_gpu"] = 4 * MICRO
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    rank, imbalance = engine.global_rank, []
+    # One batch every step: without the bias the routing, and so the load, never changes.
+    ids = global_batch(0, 8)[rank * 4 * MICRO : (rank + 1) * 4 * MICRO]
+    for _ in range(steps):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        load = engine.expert_load(over_data_parallel=True)["model.layers.0.mlp.experts"]
+        imbalance.append(float(load["imbalance"]))
+    layer = model.model.layers[0].mlp
+    router = layer.router if hasattr(layer, "router") else layer.gate
+    hidden = torch.randn(16, 32)
+    logits, weights, chosen = router(hidden)
+    if family == "gpt_oss":
+        unbiased = torch.softmax(logits.gather(-1, chosen), dim=-1)
+    else:
+        probabilities = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
+        unbiased = probabilities / probabilities.sum(-1, keepdim=True)
+    return {"imbalance": imbalance, "gates_unbiased": torch.allclose(weights.float(), unbiased)}
+
+
+@pytest.mark.parametrize(
+    ("family", "coeff", "bound"),
+    # The bias adds to what the router ranks: probabilities (Qwen3-MoE) or logits (GPT-OSS),
+    # whose scales differ, and so do the coefficients.
+    [("qwen3_moe", 0.02, 1.5), ("gpt_oss", 0.2, 1.2)],
+)
+def test_the_routing_bias_evens_out_a_collapsed_router(pool2, family, coeff, bound):
+    """8 experts, top 2, routers pulled towards experts 0 and 1, the same batch every step and
+    the weights frozen (lr 0), so that only the bias acts: without it the busiest expert's load
+    over the mean stays 2.19 (Qwen3-MoE) / 2.34 (GPT-OSS); with it, every one of the last 10 of
+    30 steps is at most `bound` (measured 1.44-1.47 and 1.12-1.19). The gate values stay the
+    router's unbiased ones for the experts chosen."""
+    steps = 30
+    plain = pool2.run(balanced_training, family, None, steps)[0]["imbalance"]
+    assert max(plain) == min(plain) > 2.0
+    result = pool2.run(balanced_training, family, coeff, steps)[0]
+    assert result["imbalance"][0] == plain[0]
+    assert max(result["imbalance"][-10:]) <= bound, result["imbalance"]
+    assert result["gates_unbiased"]
+
+
+def biased_router_at_zero(family: str) -> bool:
+    """With load_balance_coeff set and no step taken (a zero bias), the engine's first block
+    routes exactly as the plain model's."""
+    plain, model = build(family), build(family)
+    config = ep_config(2, 2, load_balance_coeff=0.01)
+    shardspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    layer, plain_layer = model.model.layers[-1].mlp, plain.model.layers[-1].mlp
+    name = "router" if hasattr(layer, "router") else "gate"
+    hidden = torch.randn(32, 32)
+    ours, theirs = getattr(layer, name)(hidden), getattr(plain_layer, name)(hidden)
+    return all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3"])
+def test_a_zero_routing_bias_routes_as_the_model(pool2, family):
+    assert pool2.run(biased_router_at_zero, family) == [True, True]

@@ -659,7 +659,9 @@ class ExpertParallelConfig(StrictModel):
     are checked against the model), or from the model's structure. The model's own router runs
     unchanged: the routing keys may only state what it does. `use_grouped_mm` runs the local
     experts as grouped matmuls (transformers' implementation) instead of a loop over experts.
-    `disable_triton_grouped_mm`: shardspeed has no Triton kernels, so either value holds."""
+    `disable_triton_grouped_mm`: shardspeed has no Triton kernels, so either value holds.
+    `load_balance_coeff`: auxiliary-loss-free balancing, a routing bias that steers the choice of
+    experts (never the gate values), moved by this much per step towards an even load."""
 
     enabled: bool = False
     autoep_size: PositiveInt = 1
@@ -692,7 +694,7 @@ class ExpertParallelConfig(StrictModel):
     num_limited_groups: PositiveInt | None = None
     score_func: Literal["auto", "softmax", "sigmoid"] = "auto"
     top_k: PositiveInt | Literal["auto"] = "auto"
-    load_balance_coeff: float | None = None
+    load_balance_coeff: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     routed_scaling_factor: float | Literal["auto"] = "auto"
     expert_w1: str | None = None
     expert_w2: str | None = None
@@ -707,8 +709,6 @@ class ExpertParallelConfig(StrictModel):
         "expert_tensor_parallel_size": "experts run whole on their rank (no expert tensor "
         "parallelism)",
         "validate_folding_routing": "expert parallelism does not fold with tensor parallelism",
-        "load_balance_coeff": "auxiliary-loss-free balancing of Hugging Face models is not "
-        "offered yet",
     }
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..comm import ExpertGroups
 from ..config.errors import ConfigError
+from .balance import routing_bias
 from .expert_parallel import expert_tensors, shard_experts
 
 _KEY = "expert_parallel"
@@ -39,6 +40,8 @@ class Preset:
     route_scale: str | None = None  # the config attribute scaling routed weights
     groups: tuple[str, str] | None = None  # config attributes: expert groups, groups kept
     shared: tuple[str, ...] = field(default_factory=tuple)  # shared experts (and their gate)
+    # How a balancing bias reaches the router's choice (balance.py), None: not offered.
+    selection: str | None = "softmax"
 
 
 PRESETS: dict[str, Preset] = {
@@ -51,6 +54,7 @@ PRESETS: dict[str, Preset] = {
         route_scale="routed_scaling_factor",
         groups=("n_group", "topk_group"),
         shared=("shared_experts",),
+        selection=None,  # group-limited softmax routing: no biased choice offered yet
     ),
     "deepseek_v3": Preset(
         ("deepseek_v3",),
@@ -58,6 +62,7 @@ PRESETS: dict[str, Preset] = {
         route_scale="routed_scaling_factor",
         groups=("n_group", "topk_group"),
         shared=("shared_experts",),
+        selection="correction",  # its router's own e_score_correction_bias
     ),
     "glm4_moe": Preset(
         ("glm4_moe",),
@@ -65,8 +70,11 @@ PRESETS: dict[str, Preset] = {
         route_scale="routed_scaling_factor",
         groups=("n_group", "topk_group"),
         shared=("shared_experts",),
+        selection="correction",
     ),
-    "gpt_oss": Preset(("gpt_oss",), router="router", route_norm=True),  # softmax of the top k
+    "gpt_oss": Preset(  # softmax of the top k logits
+        ("gpt_oss",), router="router", route_norm=True, selection="logits"
+    ),
     "olmoe": Preset(("olmoe",)),
 }
 _TOP_K = "num_experts_per_tok"
@@ -105,7 +113,28 @@ def apply_expert_parallel(
     implementation = _implementation(section.use_grouped_mm if grouped_mm is None else grouped_mm)
     for block in blocks:
         shard_experts(block.experts, groups, implementation)
+    if section.load_balance_coeff is not None:
+        _add_routing_biases(blocks, section, preset, config)
     return blocks
+
+
+def _add_routing_biases(
+    blocks: list[MoEBlock], section: Any, preset: Preset | None, config: Any
+) -> None:
+    """Give each block's router the bias `load_balance_coeff` moves (moe/balance.py), kept on
+    its experts module as `routing_bias`."""
+    if preset is None or preset.selection is None:
+        family = getattr(config, "model_type", None) or "this model"
+        raise ConfigError(
+            f"'{_KEY}.load_balance_coeff': auxiliary-loss-free balancing is offered for the "
+            f"routers of {sorted(n for n, p in PRESETS.items() if p.selection)}, not for "
+            f"{family}'s: remove the key"
+        )
+    routing = _model_routing(preset, config)
+    router_name = section.router_pattern or preset.router
+    for block in blocks:
+        router = getattr(block.block, router_name)
+        block.experts.routing_bias = routing_bias(router, preset.selection, routing["route_norm"])
 
 
 def _preset(section: Any, config: Any) -> Preset | None:

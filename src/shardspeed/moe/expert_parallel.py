@@ -80,6 +80,9 @@ class ExpertParallel:
         flat = top_k_index.reshape(-1)
         counts = torch.bincount(flat, minlength=shard.experts)
         self.last_counts = counts.detach()  # the routing this rank asked for (`expert_load`)
+        if torch.is_grad_enabled():  # a training forward: its load counts for balancing
+            window = getattr(self, "window_counts", None)
+            self.window_counts = self.last_counts if window is None else window + counts
         if shard.groups.ep_size == 1:
             return shard.family_forward(self, hidden_states, top_k_index, top_k_weights)
         choices = top_k_index.shape[-1]
@@ -100,6 +103,13 @@ class ExpertParallel:
         weighted = back * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(1)
         combined = torch.zeros_like(hidden_states)
         return combined.index_add_(0, token, weighted.to(combined.dtype))
+
+    def take_window_counts(self) -> torch.Tensor | None:
+        """The pairs routed to each expert by training forwards since the last call (None if
+        none ran), and a fresh window."""
+        window = getattr(self, "window_counts", None)
+        self.window_counts = None
+        return window
 
     def expert_load(self) -> dict[str, Any]:
         """The last forward's routing on this rank, as `MoE.expert_load` reports it (nothing is

@@ -34,6 +34,7 @@ from ..config import (
     scheduler_params,
 )
 from ..config.errors import ConfigError
+from ..moe.balance import LoadBalancer
 from ..moe.placement import expert_load, place_experts
 from ..monitor import MonitorMaster, NullRecorder, TraceRecorder, merge_gathered
 from ..monitor.step import (
@@ -710,6 +711,11 @@ def _observers(engine: ShardSpeedEngine) -> list[StepObserver]:
     if engine.flops_profiler is not None:
         observers.append(ProfiledStep(engine.flops_profiler, config.flops_profiler))
     observers.append(StepReport(config, engine.clock))
+    balanced = [m for m in engine.experts.routed.values() if hasattr(m, "routing_bias")]
+    if balanced:  # the expert_parallel section's load_balance_coeff
+        coeff = config.expert_parallel.load_balance_coeff
+        biases = [m.routing_bias for m in balanced]
+        observers.append(LoadBalancer(biases, balanced, coeff, engine.topology.dp_group))
     # Monitors write on rank 0; `enabled` is the same on every rank, so what it gates may
     # include collectives.
     monitor = MonitorMaster(config.tensorboard, config.csv_monitor, config.wandb, rank)
