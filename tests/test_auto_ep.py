@@ -10,6 +10,9 @@ key biases (Qwen2-MoE) are left out: their true gradient is zero, so AdamW ampli
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -484,3 +487,26 @@ def biased_router_at_zero(family: str) -> bool:
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3"])
 def test_a_zero_routing_bias_routes_as_the_model(pool2, family):
     assert pool2.run(biased_router_at_zero, family) == [True, True]
+
+
+# -- DeepSpeed's AutoEP checkpoints ---------------------------------------------------------------
+
+AUTOEP_FIXTURE = Path(__file__).with_name("data") / "deepspeed_autoep"
+
+
+def test_a_deepspeed_autoep_checkpoint_resumes_at_ep2_and_without_ep(pool2, tmp_path):
+    """DeepSpeed 0.19.8's AutoEP checkpoint of the tiny Qwen3-MoE after 2 steps at autoep_size
+    2, ZeRO 2 (tests/data/make_deepspeed_autoep.py): resumed for a third step at EP 2 and on one
+    process without EP, the weights are those of one process trained 3 steps on the same
+    batches (1e-5 relative: DeepSpeed's run and the reference differ by summation order)."""
+    copy = tmp_path / "ds"
+    shutil.copytree(AUTOEP_FIXTURE, copy)
+    _, expected = reference("qwen3_moe", 3, 2, LR)
+    at_ep2 = pool2.run(train_from, "qwen3_moe", 2, MICRO, 2, 3, str(copy), None)[0]
+    assert at_ep2["steps"] == 3
+    assert_same_weights(at_ep2["weights"], expected, 1e-5)
+    from shardspeed.testing import RankPool
+
+    with RankPool(1) as one:
+        plain = one.run(train_from, "qwen3_moe", None, 4, 2, 3, str(copy), None)[0]
+    assert_same_weights(plain["weights"], expected, 1e-5)

@@ -17,6 +17,10 @@ What is read, per layout DeepSpeed writes (`<dir>/<tag>/`):
   above per stage (`mp_rank_<stage>`).
 - Universal checkpoints (`ds_to_universal` output, found through `latest_universal`):
   `zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt` whole, `zero/optimizer_state.pt`.
+- AutoEP (the `expert_parallel` section) at ZeRO 1 and 2: the experts' param group is each
+  expert group's run of experts (`w1`, `w2`, `w3` of its local experts) partitioned over the
+  ranks holding that run; `ds_autoep_layers` names the blocks. The runs are joined and the names
+  turned back into the Hugging Face model's (`_from_autoep`).
 
 The `.pt` files are read with `torch.load(weights_only=True)`, which builds only tensors and plain
 containers; the few DeepSpeed classes its checkpoints hold (`ALLOWED`: the loss scaler, the ZeRO
@@ -78,6 +82,7 @@ FROZEN_PARAM_FRAGMENTS = "frozen_param_fragments"
 CHECKPOINT_PARALLEL_DIMS = "checkpoint_parallel_dimensions"
 DS_VERSION = "ds_version"
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+AUTOEP_LAYERS = "ds_autoep_layers"  # AutoEP's MoE blocks: paths, expert placement, ep size
 # Universal checkpoints: `zero/<name>/fp32.pt` holds {PARAM: tensor}.
 FP32_WEIGHT_KEY = "fp32"
 PARAM = "param"
@@ -180,6 +185,8 @@ _BOOKKEEPING = {
     "ds_config",
     DS_VERSION,
     UNIVERSAL_CHECKPOINT_INFO,
+    AUTOEP_LAYERS,
+    "num_experts",
 }
 # Torch optimizer hyperparameters carried over (DeepSpeed's groups also hold its own keys).
 _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov")
@@ -276,6 +283,8 @@ def read_deepspeed(tag_dir: Path) -> DeepSpeedState:
                 _read_stage12(state, read_pt(path) if s else first, tag_dir, s)
         for path in layers:
             _read_layer(state, path)
+        if first.get(AUTOEP_LAYERS):
+            _from_autoep(state, first)
         state.written_by = {"zero_stage": stage, "pipeline_stages": len(models)}
         return state
     ranks = _stage3_models(tag_dir)
@@ -414,25 +423,28 @@ def _read_stage12(state: DeepSpeedState, model_states: dict, tag_dir: Path, mp: 
             f"{tag_dir}: parameter alignment paddings are not read; convert it with DeepSpeed's "
             "ds_to_universal first"
         )
+    autoep = model_states.get(AUTOEP_LAYERS) or []
     for g, names in enumerate(shapes):
-        partitions = [r[SINGLE_PARTITION_OF_FP32_GROUPS][g] for r in ranks]
+        group = first[BASE_OPTIMIZER_STATE][PARAM_GROUPS][g]
         rank_states = [r[BASE_OPTIMIZER_STATE]["state"].get(g, {}) for r in ranks]
         keys = [k for k, v in rank_states[0].items() if torch.is_tensor(v) and v.dim() > 0]
-        spans = _spans(ranks, g, names, partitions)
-        for name, shape in names.items():
-            pieces = spans[name]
-            numel = math.prod(shape)
-            whole = torch.cat([partitions[r][a:b] for r, a, b in pieces])
-            if whole.numel() != numel:
-                raise CheckpointError(
-                    f"{tag_dir}: the pieces of {name!r} hold {whole.numel()} elements, its shape "
-                    f"{tuple(shape)} {numel}"
-                )
-            state.params[name] = whole.view(tuple(shape)).float()
+        ep = autoep[0]["ep_size"] if autoep and group.get("moe") else 1
+        # AutoEP's expert group: rank r holds its expert group's run `r % ep` of the experts,
+        # partitioned over the ranks holding the same run (DeepSpeed's consecutive expert groups).
+        runs: dict[str, list[dict[str, torch.Tensor]]] = {name: [] for name in names}
+        for run in range(ep):
+            members = [r for r in range(len(ranks)) if r % ep == run]
+            tensors = _group_tensors(
+                [ranks[r] for r in members], [rank_states[r] for r in members], g, names, keys
+            )
+            for name, found in tensors.items():
+                runs[name].append(found)
+        for name in names:
+            pieces = runs[name]
+            state.params[name] = torch.cat([piece[""] for piece in pieces]).float()
             for key in keys:
-                value = torch.cat([rank_states[r][key][a:b] for r, a, b in pieces])
-                state.states.setdefault(key, {})[name] = value.view(tuple(shape)).float()
-        group = first[BASE_OPTIMIZER_STATE][PARAM_GROUPS][g]
+                value = torch.cat([piece[key] for piece in pieces]).float()
+                state.states.setdefault(key, {})[name] = value
         if mp == 0:  # a pipeline's stages each hold their part of the same param groups
             state.groups.append({"hyper": _hyper(group), "scalars": _scalar_step(rank_states)})
     state.loss_scaler = _loss_scaler(first.get(LOSS_SCALER), first)
@@ -441,6 +453,59 @@ def _read_stage12(state: DeepSpeedState, model_states: dict, tag_dir: Path, mp: 
     for name in _module_params(model_states):
         if name not in trained:
             state.frozen[name] = module[name]
+
+
+def _group_tensors(
+    ranks: list[dict], rank_states: list[dict], g: int, names: dict, keys: list[str]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter of group `g` whole from `ranks`' partitions of it: its fp32 master ("")
+    and its per-element states `keys`, in the parameter's shape."""
+    partitions = [r[SINGLE_PARTITION_OF_FP32_GROUPS][g] for r in ranks]
+    spans = _spans(ranks, g, names, partitions)
+    out = {}
+    for name, shape in names.items():
+        pieces = spans[name]
+        numel = math.prod(shape)
+        whole = torch.cat([partitions[r][a:b] for r, a, b in pieces])
+        if whole.numel() != numel:
+            raise CheckpointError(
+                f"the pieces of {name!r} hold {whole.numel()} elements, its shape "
+                f"{tuple(shape)} {numel}"
+            )
+        out[name] = {"": whole.view(tuple(shape))}
+        for key in keys:
+            value = torch.cat([rank_states[r][key][a:b] for r, a, b in pieces])
+            out[name][key] = value.view(tuple(shape))
+    return out
+
+
+def _from_autoep(state: DeepSpeedState, model_states: dict) -> None:
+    """A DeepSpeed AutoEP checkpoint under the Hugging Face model's names: each MoE block's
+    `router.gate.*` is its router's (`<block>.<router>.*`, the alias `gate.gate.*` dropped), and
+    the experts' `w1`, `w3` (gate and up, per expert) and `w2` are the fused `gate_up_proj`
+    ([gate; up] on the second dimension) and `down_proj`, whole over all experts."""
+    config = (model_states.get("ds_config") or {}).get("expert_parallel") or {}
+    router = config.get("router_pattern") or "gate"
+    # AutoEP puts the experts in a param group of their own; in the Hugging Face model they are
+    # parameters like the others, so the groups are one when their settings are.
+    if len({repr(g["hyper"]) for g in state.groups}) == 1:
+        state.groups = state.groups[:1]
+    for layer in model_states.get(AUTOEP_LAYERS) or []:
+        block, experts = layer["module_path"], layer["expert_key_prefix"]
+        renames = {f"{block}.router.gate.": f"{block}.{router}."}
+        dropped = f"{block}.gate.gate."
+        for table in (state.params, state.frozen, *state.states.values()):
+            for name in [n for n in table if n.startswith(dropped)]:
+                del table[name]
+            for name in list(table):
+                for old, new in renames.items():
+                    if name.startswith(old):
+                        table[new + name[len(old) :]] = table.pop(name)
+            gate, up, down = (table.pop(f"{experts}.{w}", None) for w in ("w1", "w3", "w2"))
+            if gate is not None:
+                table[f"{experts}.gate_up_proj"] = gate if up is None else torch.cat([gate, up], 1)
+            if down is not None:
+                table[f"{experts}.down_proj"] = down
 
 
 def _spans(
