@@ -229,6 +229,7 @@ def trainer_expert_parallel(out: Path) -> None:
     without DeepSpeed, which runs every expert on every rank."""
     from moe_families import family_config
 
+    reset()  # an earlier case's ZeRO-3 config would build the model under zero.Init
     path = out / "pretrained_moe"
     if rank() == 0 and not path.exists():
         torch.manual_seed(0)
