@@ -179,8 +179,11 @@ RULES: tuple[Rule, ...] = (
         ),
         lambda config, facts: (
             "'zero_optimization.offload_param.device' nvme needs an fp32 model and "
-            "'zero_optimization.offload_optimizer.device' nvme: the shards are then the fp32 "
-            "masters, stepped piece by piece with the optimizer states"
+            "'zero_optimization.offload_optimizer.device' nvme: the parameters' swap files are "
+            "the fp32 masters themselves, stepped piece by piece with the optimizer states, and "
+            "a 16-bit model would need a second copy of every shard on NVMe, which shardspeed "
+            "does not keep. Train in fp32 with NVMe parameters, or keep fp16/bf16 parameters "
+            "in host memory ('offload_param.device': 'cpu')"
         ),
     ),
     Rule(

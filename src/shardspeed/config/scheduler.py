@@ -36,7 +36,7 @@ class WarmupLRParams(StrictModel):
 
     warmup_min_lr: PerGroupLr = 0.0
     warmup_max_lr: PerGroupLr | None = None
-    warmup_num_steps: PositiveInt = 1000
+    warmup_num_steps: NonNegativeInt = 1000  # 0 accepted here, as DeepSpeed's config does
     warmup_type: WarmupType = "log"
     last_batch_iteration: LastBatch = -1
 
@@ -47,7 +47,7 @@ class WarmupDecayLRParams(StrictModel):
     total_num_steps: PositiveInt
     warmup_min_lr: PerGroupLr = 0.0
     warmup_max_lr: PerGroupLr | None = 0.001
-    warmup_num_steps: PositiveInt = 1000
+    warmup_num_steps: NonNegativeInt = 1000  # 0 accepted here, as DeepSpeed's config does
     warmup_type: WarmupType = "log"
     last_batch_iteration: LastBatch = -1
 
@@ -57,7 +57,7 @@ class WarmupCosineLRParams(StrictModel):
 
     total_num_steps: PositiveInt
     warmup_min_ratio: Ratio = 0.0
-    warmup_num_steps: PositiveInt = 1000
+    warmup_num_steps: NonNegativeInt = 1000  # 0 accepted here, as DeepSpeed's config does
     cos_min_ratio: Ratio = 0.0001
     warmup_type: WarmupType = "log"
     last_batch_iteration: LastBatch = -1

@@ -17,6 +17,7 @@ from torch import nn
 from .. import alias, checkpointing, comm, shardspeed_version
 from ..alias import DEEPSPEED_VERSION
 from ..comm import groups, init_distributed
+from ..compat.deepspeed import git_version_info
 from ..config import (
     ConfigError,
     RunFacts,
@@ -236,6 +237,13 @@ def _log_run(run_config: ShardSpeedConfig, topology: comm.Topology) -> None:
         "shardspeed %s%s",
         shardspeed_version,
         f" standing in for deepspeed {DEEPSPEED_VERSION}" if alias.is_installed() else "",
+    )
+    # DeepSpeed's own line at initialize (transformers' and accelerate's tests look for it).
+    logger.info(
+        "DeepSpeed info: version=%s, git-hash=%s, git-branch=%s",
+        DEEPSPEED_VERSION,
+        git_version_info.git_hash,
+        git_version_info.git_branch,
     )
     logger.info(
         "world size %d (data %d x pipeline %d x tensor %d x sequence %d), batch %d = micro %d "

@@ -68,11 +68,14 @@ class Init:
         if source is not None and enabled:
             from ..config import read_config_source
 
-            stage = read_config_source(source).get("zero_optimization", {}).get("stage", 0)
+            settings = read_config_source(source)
+            stage = settings.get("zero_optimization", {}).get("stage", 0)
             if stage != 3:
                 raise ValueError(
                     f"zero.Init shards parameters for ZeRO stage 3, but the config says stage {stage}"
                 )
+            if dtype is None:  # DeepSpeed's: the config's precision, so half models build half
+                dtype = _config_dtype(settings)
         self.enabled = enabled
         self.dtype = dtype
         self._patched: list[tuple[type, Callable]] = []
@@ -134,6 +137,20 @@ class Init:
             p.ds_group = self.group
             p.ds_id = next(_ids)
             _keep_slice(p, flat)
+
+
+def _config_dtype(settings: dict[str, Any]) -> torch.dtype | None:
+    """The parameters' dtype a config asks for: fp16 or bf16 when enabled (DeepSpeed also reads
+    `bfloat16`), else None (as built)."""
+    enabled = {
+        name: (settings.get(name) or {}).get("enabled") is True
+        for name in ("fp16", "bf16", "bfloat16")
+    }
+    if enabled["fp16"] and (enabled["bf16"] or enabled["bfloat16"]):
+        raise ValueError("the config enables both fp16 and bf16: choose one")
+    if enabled["fp16"]:
+        return torch.float16
+    return torch.bfloat16 if enabled["bf16"] or enabled["bfloat16"] else None
 
 
 def _keep_slice(p: torch.Tensor, whole: torch.Tensor) -> None:

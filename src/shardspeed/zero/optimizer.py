@@ -77,6 +77,26 @@ class ReduceOptions:
     quantized_gradients: bool = False
 
 
+class _MasterShards:
+    """One of DeepSpeed's optimizer attributes holding the fp32 master partitions, as ours (the
+    masters this rank steps, views of one flat buffer): it exists at the ZeRO stages `stages`,
+    as in DeepSpeed (transformers reads it to check the masters' dtype)."""
+
+    def __init__(self, stages: tuple[int, ...]) -> None:
+        self.stages = stages
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, optimizer: Any, owner: type | None = None) -> Any:
+        if optimizer is None:
+            return self
+        if optimizer.configured_stage not in self.stages:
+            stages = " and ".join(map(str, self.stages))
+            raise AttributeError(f"'{self.name}' exists at ZeRO stage {stages} only")
+        return list(optimizer.masters)
+
+
 class ZeroOptimizer:
     """Wraps a torch optimizer for ZeRO stage 0, 1, 2 or 3 (see module docstring).
 
@@ -88,6 +108,10 @@ class ZeroOptimizer:
     optimizer's update of an element depends on the whole tensor). Where bytes live is the
     `plan`'s; what holds them, the stores'.
     """
+
+    # DeepSpeed's names for the fp32 master partitions (stages 1-2, and stage 3).
+    single_partition_of_fp32_groups = _MasterShards((1, 2))
+    fp32_partitioned_groups_flat = _MasterShards((3,))
 
     def __init__(
         self,
@@ -423,9 +447,11 @@ class ZeroOptimizer:
 
 def _stage_run(stage: int, dp_world_size: int, offload: OffloadOptions) -> int:
     """The stage actually run. One rank has nothing to shard: stage 2 then behaves as stage 1
-    (same bytes, no copies), and so does stage 3 unless its parameters are to live off the
-    device (offload_param)."""
-    keep = dp_world_size > 1 or (stage == 3 and offload.param_device != "none")
+    (same bytes, no copies). Stage 3 stays stage 3, as DeepSpeed's does: its parameters read as
+    partitioned (empty outside their unit's use, `ds_status` NOT_AVAILABLE) whatever the world
+    size, which code that checks them (PEFT's save warning) relies on."""
+    del offload
+    keep = dp_world_size > 1 or stage == 3
     return stage if keep else min(stage, 1)
 
 

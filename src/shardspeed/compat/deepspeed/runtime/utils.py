@@ -1,10 +1,14 @@
-"""DeepSpeed's `deepspeed.runtime.utils`: the memory report that user scripts sprinkle in."""
+"""DeepSpeed's `deepspeed.runtime.utils`: the memory report that user scripts sprinkle in, and
+`move_to_device` (accelerate's sequence-parallel scripts import it)."""
 
 from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from shardspeed.accelerator import get_accelerator
@@ -39,3 +43,22 @@ def see_memory_usage(message: str, force: bool = False) -> None:
 
 
 __all__ = ["see_memory_usage"]
+
+
+def move_to_device(
+    item: Any, device: Any, criterion_func: Callable[[Any], bool] | None = None
+) -> Any:
+    """`item` (a tensor, or lists, tuples and dicts of them, nested) on `device`, as DeepSpeed's:
+    where `criterion_func(item)` holds, the tensor itself is moved (its `.data` replaced) and
+    returned; containers are rebuilt; any other tensor is copied with `.to(device)`. Anything that
+    is not a tensor or container comes back as it is."""
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item.to(device) if isinstance(item, torch.Tensor) else item
