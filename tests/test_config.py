@@ -358,7 +358,7 @@ BAD_CONFIGS = [
         "'scheduler.params.warmup_type'",
     ),
     (
-        {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}},
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -1}}},
         "'scheduler.params.warmup_num_steps'",
     ),
     (

@@ -325,7 +325,7 @@ def test_scheduler_params_defaults_and_refusals():
     )
     bad = [
         (WarmupLRParams, {"warmup_num_step": 10}, "extra_forbidden"),
-        (WarmupLRParams, {"warmup_num_steps": 0}, "greater_than"),
+        (WarmupLRParams, {"warmup_num_steps": -1}, "greater_than_equal"),  # 0 is DeepSpeed's
         (WarmupLRParams, {"warmup_type": "cosine"}, "literal_error"),
         (WarmupLRParams, {"warmup_min_lr": -1.0}, "greater_than_equal"),
         (WarmupDecayLRParams, {}, "missing"),

@@ -463,8 +463,7 @@ def _check_params(module: nn.Module, plan: ShardPlan, configured_stage: int) -> 
     dtype, device = plan.params[0].dtype, plan.params[0].device
     if any(p.dtype != dtype or p.device != device for p in plan.params):
         raise ValueError("all trainable parameters must share one dtype and device")
-    # Stage 3 on one rank runs unsharded (see `_stage_run`): zero.Init's slices are then whole.
-    if plan.stage != 3 and configured_stage != 3 and any(map(is_init_sharded, plan.params)):
+    if plan.stage != 3 and any(map(is_init_sharded, plan.params)):
         raise ValueError(
             "the model was built under zero.Init, which shards parameters for ZeRO stage "
             f"3, but the config asks for stage {configured_stage}"
