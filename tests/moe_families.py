@@ -94,3 +94,17 @@ def reference(family: str, steps: int, ranks: int, lr: float) -> tuple[list[floa
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def reference_norms(family: str, steps: int, ranks: int, lr: float) -> list[float]:
+    """`reference`'s gradient norm at every step (the scale AdamW's weights would hide)."""
+    model = build(family)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    norms = []
+    for step in range(steps):
+        ids = global_batch(step, ranks)
+        model(input_ids=ids, labels=ids).loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return norms

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import shardspeed
-from moe_families import FAMILIES, MICRO, SEQ, build, global_batch, reference
+from moe_families import FAMILIES, MICRO, SEQ, build, global_batch, reference, reference_norms
 from shardspeed.checkpoint.sixteen_bit import consolidated_state_dict
 
 STEPS, LR = 3, 1e-2
@@ -44,13 +44,14 @@ def train(
         config=ep_config(autoep, stage, zero, **(section or {})),
     )
     rank, world = engine.global_rank, engine.world_size
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         ids = global_batch(step, world)[rank * MICRO : (rank + 1) * MICRO]
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        norms.append(float(engine.get_global_grad_norm()))
     local = {
         n: tuple(p.ds_shape if stage == 3 else p.shape)
         for n, p in model.named_parameters()
@@ -60,6 +61,7 @@ def train(
     expert_shards = {plan.layout.shards[r] for r, place in enumerate(plan.region_place) if place}
     return {
         "losses": losses,
+        "norms": norms,
         "weights": consolidated_state_dict(engine),
         "local": local,
         "expert_shards": sorted(expert_shards),
@@ -72,6 +74,10 @@ def assert_like_one_process(results: list[dict], family: str) -> None:
     # global batch's.
     losses = torch.tensor([r["losses"] for r in results]).mean(0).tolist()
     assert losses == pytest.approx(expected_losses, rel=1e-5)
+    # The gradient norm too: AdamW's weights would hide a gradient scaled wrongly.
+    expected_norms = reference_norms(family, STEPS, len(results), LR)
+    for result in results:
+        assert result["norms"] == pytest.approx(expected_norms, rel=1e-5)
     for name, want in expected.items():
         if name.endswith("k_proj.bias"):
             # Its true gradient is zero (softmax ignores a shift of every score of a query):
@@ -207,7 +213,7 @@ def test_the_exported_model_loads_with_from_pretrained(pool2, tmp_path):
 
 REFUSED = [  # (family, config changes, section keys, what the message must say)
     ("qwen3_moe", {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, {}, "ZeRO++'s hierarchical partitioning ('zero_optimization.zero_hpz_partition_size')"),
-    ("qwen3_moe", {"sequence_parallel_size": 2}, {}, "sequence parallelism ('sequence_parallel_size')"),
+    ("qwen3_moe", {"tensor_parallel": {"autotp_size": 2}}, {}, "tensor parallelism ('tensor_parallel.autotp_size'"),
     ("qwen3_moe", {}, {"autoep_size": 3}, "'expert_parallel.autoep_size' is 3, which does not divide the 2 data-parallel ranks"),
     ("qwen3_moe", {}, {"preset_model": "mixtral"}, "'expert_parallel.preset_model' is 'mixtral', for model types ['mixtral'], but this model's config says 'qwen3_moe'"),
     ("qwen3_moe", {}, {"score_func": "sigmoid"}, "'expert_parallel.score_func' is 'sigmoid', but the model's router uses 'softmax'"),
@@ -510,3 +516,64 @@ def test_a_deepspeed_autoep_checkpoint_resumes_at_ep2_and_without_ep(pool2, tmp_
     with RankPool(1) as one:
         plain = one.run(train_from, "qwen3_moe", None, 4, 2, 3, str(copy), None)[0]
     assert_same_weights(plain["weights"], expected, 1e-5)
+
+
+# -- with Ulysses sequence parallelism ------------------------------------------------------------
+
+
+def ulysses_with_experts(stage: int) -> dict:
+    """ALST's calls on a Qwen3-MoE model (register_with_transformers, initialize with its mpu,
+    the tutorial's loss) with the expert_parallel section: 2 ranks split each sequence and
+    share the experts. Each step's gradient norm and the final weights."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from shardspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, shard_batch
+
+    model = build("qwen3_moe")
+    model.train()
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, MICRO)
+    try:
+        engine, *_ = shardspeed.initialize(
+            model=model,
+            model_parameters=model.parameters(),
+            config=ep_config(2, stage),
+            mpu=mpu,
+        )
+        group, rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
+        norms = []
+        for step in range(STEPS):
+            ids = global_batch(step, 1)  # one replica: both ranks hold the same sequences
+            positions = torch.arange(ids.shape[1]).expand_as(ids)
+            piece = shard_batch(
+                {"input_ids": ids, "labels": ids, "position_ids": positions}, rank, 2
+            )
+            outputs = engine(
+                input_ids=piece["input_ids"],
+                position_ids=piece["position_ids"],
+                labels=piece["shift_labels"],
+                shift_labels=piece["shift_labels"],
+            )
+            losses = torch.distributed.nn.functional.all_gather(outputs.loss, group=group)
+            good = (piece["shift_labels"] != -100).sum()
+            counts = torch.distributed.nn.functional.all_gather(good, group=group)
+            loss = sum(part * count for part, count in zip(losses, counts)) / sum(counts)
+            engine.backward(loss)
+            engine.step()
+            norms.append(float(engine.get_global_grad_norm()))
+        weights = consolidated_state_dict(engine)
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]  # transformers' own again, for the pool's next test
+    return {"norms": norms, "weights": weights}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ep2_with_ulysses_sp2_equals_whole_sequences_in_one_process(pool2, stage):
+    """Experts spread over the two sequence ranks (which hold different tokens for the MLPs):
+    the weights after 3 steps equal one process training whole sequences (1e-5 relative), and
+    each step's gradient norm (1e-5)."""
+    _, expected = reference("qwen3_moe", STEPS, 1, LR)
+    results = pool2.run(ulysses_with_experts, stage)
+    assert_same_weights(results[0]["weights"], expected, 1e-5)
+    expected_norms = reference_norms("qwen3_moe", STEPS, 1, LR)
+    for result in results:
+        assert result["norms"] == pytest.approx(expected_norms, rel=1e-5)

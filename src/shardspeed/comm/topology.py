@@ -318,32 +318,51 @@ class Topology:
         group = self._requested_group(("hpz", size), lambda: _runs(lists, size))
         return group, self.get_sequence_data_parallel_rank() % size
 
-    def expert_groups(self, ep_size: int, data_before_expert: bool = False) -> ExpertGroups:
+    def expert_groups(
+        self, ep_size: int, data_before_expert: bool = False, over_sequence: bool = False
+    ) -> ExpertGroups:
         """The expert and expert-data groups for `ep_size` (collective the first time for each
         size: every rank makes every group, in order). `data_before_expert`: DeepSpeed's
-        `use_data_before_expert_parallelism` layout (see the module docstring)."""
-        if ep_size < 1 or self.dp_world_size % ep_size:
-            raise ValueError(
-                f"ep_size {ep_size} must divide the data-parallel size {self.dp_world_size}"
-            )
-        replicas = self.dp_world_size // ep_size
+        `use_data_before_expert_parallelism` layout (see the module docstring).
+        `over_sequence`: carved from the sequence-data group (data x sequence ranks, which hold
+        different tokens for the MLPs) instead of the data group; the same without sequence
+        parallelism."""
+        sequenced = over_sequence and self.sp_world_size > 1
+        world, rank = (
+            (self.get_sequence_data_parallel_world_size(), self.get_sequence_data_parallel_rank())
+            if sequenced
+            else (self.dp_world_size, self.dp_rank)
+        )
+        if ep_size < 1 or world % ep_size:
+            raise ValueError(f"ep_size {ep_size} must divide the data-parallel size {world}")
+        replicas = world // ep_size
         # Each data-parallel group is cut into runs of consecutive ranks, and the ranks at one
         # place in every run: expert groups are the runs (ep_size long) by default, the places
         # (runs replicas long) under data_before_expert.
         if data_before_expert:
             expert_lists, replica_lists, run_length = _strides, _runs, replicas
-            ep_rank, replica_rank = divmod(self.dp_rank, replicas)
+            ep_rank, replica_rank = divmod(rank, replicas)
         else:
             expert_lists, replica_lists, run_length = _runs, _strides, ep_size
-            replica_rank, ep_rank = divmod(self.dp_rank, ep_size)
-        key = ("experts", ep_size, data_before_expert)
+            replica_rank, ep_rank = divmod(rank, ep_size)
+        key = ("experts", ep_size, data_before_expert, sequenced)
+        lists = self._sequence_data_lists if sequenced else self._data_lists
         ep_group = self._requested_group(
-            (*key, "expert"), lambda: expert_lists(self._data_lists(), run_length)
+            (*key, "expert"), lambda: expert_lists(lists(), run_length)
         )
         expert_data_group = self._requested_group(
-            (*key, "expert-data"), lambda: replica_lists(self._data_lists(), run_length)
+            (*key, "expert-data"), lambda: replica_lists(lists(), run_length)
         )
         return ExpertGroups(ep_size, ep_rank, ep_group, replica_rank, replicas, expert_data_group)
+
+    def _sequence_data_lists(self) -> list[list[int]]:
+        """The global ranks of every sequence-data group, in its rank order."""
+        if self.mesh is None:
+            raise ValueError(
+                "expert parallelism with sequence parallelism needs the groups laid out by "
+                "shardspeed (a config's sequence_parallel_size, or register_with_transformers)"
+            )
+        return _varying(self.mesh, ("data", "sequence"))
 
     def sequence_split(self, ulysses_degree: int) -> SequenceGroups:
         """The sequence group cut for hybrid sequence parallelism: runs of `ulysses_degree`

@@ -300,8 +300,9 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "experts without sequence parallelism",
         "sequence_parallel_size",
-        lambda config, facts: _sequence_parallel(config) and bool(_expert_sizes(config, facts)),
-        _experts_refused("sequence parallelism ('sequence_parallel_size')"),
+        # The expert_parallel section spreads experts over data x sequence ranks.
+        lambda config, facts: _sequence_parallel(config) and bool(_layer_sizes(facts)),
+        _experts_refused("sequence parallelism ('sequence_parallel_size')", layers_only=True),
         needs=("moe_ep_sizes",),
     ),
     Rule(

@@ -110,13 +110,15 @@ def _expert_parallel(model: nn.Module, config: ShardSpeedConfig, topology: Any) 
     if not section.enabled:
         return
     try:
+        # Sequence ranks hold different tokens for the MLPs: experts spread over them too.
         groups = topology.expert_groups(
-            section.autoep_size, config.use_data_before_expert_parallelism
+            section.autoep_size, config.use_data_before_expert_parallelism, over_sequence=True
         )
     except ValueError:
+        ranks = topology.get_sequence_data_parallel_world_size()
         raise ConfigError(
             f"'expert_parallel.autoep_size' is {section.autoep_size}, which does not divide "
-            f"the {topology.dp_world_size} data-parallel ranks: use a divisor of it"
+            f"the {ranks} data-parallel ranks: use a divisor of it"
         ) from None
     apply_expert_parallel(model, section, groups)
 
