@@ -257,6 +257,11 @@ def trainer_expert_parallel(out: Path) -> None:
         else None
     )
     experts = engine.module.model.layers[0].mlp.experts
+    trainer.save_model(out / "moe_ep_saved")  # model.state_dict() on every rank, experts whole
+    if trained is not None:
+        save_file(
+            {n: t.contiguous() for n, t in trained.items()}, out / "moe_ep_trained.safetensors"
+        )
     record(
         out,
         "trainer_expert_parallel",

@@ -208,6 +208,48 @@ def test_the_exported_model_loads_with_from_pretrained(pool2, tmp_path):
     assert torch.allclose(logits, results[0]["logits"], rtol=1e-5, atol=1e-5)
 
 
+def module_state_dict(family: str) -> dict:
+    """After 2 steps at EP 2, ZeRO 2: the model's own `state_dict()` (every rank calls it, as
+    accelerate's get_state_dict does), the engine's consolidated weights, and whether loading
+    that whole state dict back keeps each rank's run of experts and the logits."""
+    model = build(family)
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ep_config(2, 2)
+    )
+    ids = global_batch(0, 1)
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    state = {n: t.clone() for n, t in model.state_dict().items()}  # detached views, otherwise
+    consolidated = consolidated_state_dict(engine)
+    local = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        logits = engine(input_ids=ids).logits
+        for p in model.parameters():
+            p.zero_()
+        model.load_state_dict(state)
+        reloaded = engine(input_ids=ids).logits
+    return {
+        "state": state,
+        "consolidated": consolidated,
+        "local_kept": all(torch.equal(p, local[n]) for n, p in model.named_parameters()),
+        "logits_kept": torch.equal(logits, reloaded),
+    }
+
+
+def test_the_models_state_dict_holds_every_expert_and_loads_back(pool2):
+    """Trainer's save_model and accelerate's get_state_dict read `model.state_dict()` at ZeRO
+    0-2: it holds the experts whole under the model's names, so from_pretrained loads it."""
+    results = pool2.run(module_state_dict, "qwen3_moe")
+    for result in results:
+        want = result["consolidated"]
+        assert result["state"].keys() == want.keys()
+        for name, tensor in want.items():
+            assert torch.equal(result["state"][name], tensor), name
+        assert result["local_kept"] and result["logits_kept"]
+    assert results[0]["state"]["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+
+
 # -- refusals -------------------------------------------------------------------------------------
 
 

@@ -73,6 +73,15 @@ def test_trainer_with_the_expert_parallel_section(two: Path) -> None:
     assert run["local_experts"] == 2  # of 4
     assert_losses_match(run)
     assert run["relative_difference"] < 5e-5, run
+    # save_model read model.state_dict() on both ranks: every expert whole, so from_pretrained
+    # loads the trained weights into the plain model.
+    from transformers import AutoModelForCausalLM
+
+    reloaded = dict(AutoModelForCausalLM.from_pretrained(two / "moe_ep_saved").named_parameters())
+    trained = load_file(two / "moe_ep_trained.safetensors")
+    assert reloaded.keys() == trained.keys()
+    for name, value in trained.items():
+        assert torch.equal(reloaded[name].detach(), value), name
 
 
 def test_trainer_zero3_from_pretrained(two: Path) -> None:

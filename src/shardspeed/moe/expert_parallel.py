@@ -17,7 +17,10 @@ place: the same Parameter objects, the same names) and makes the module dropless
    added into its token in expert order, as the model's own loop adds them.
 
 Routing is untouched (the block's router runs as it does without EP), so router logits, the
-auxiliary loss and shared experts come out as the model returns them. Backward runs the exchanges
+auxiliary loss and shared experts come out as the model returns them. `state_dict()` gives the
+experts whole under their own names (gathered over the expert group, so every rank of it calls
+it, as with FSDP's full state dict: accelerate's `get_state_dict` and Trainer's `save_model` do),
+and `load_state_dict` takes whole tensors and keeps this rank's experts. Backward runs the exchanges
 in reverse; each rank's expert gradients then hold its expert group's tokens' share, and the ZeRO
 optimizer sums them over the expert-data group and divides by the data-parallel size (see
 `placement.py`).
@@ -33,6 +36,7 @@ import torch
 from torch import nn
 
 from ..comm import ExpertGroups, all_to_all_single
+from ..tensor_parallel.layers import whole
 from ..zero.init import materialize
 from .gating import imbalance
 
@@ -152,6 +156,32 @@ def shard_experts(experts: nn.Module, groups: ExpertGroups, implementation: str 
         experts.config._experts_implementation = implementation
     experts.expert_shard = ExpertShard(count, local, first, groups, cls.forward)
     experts.__class__ = _expert_parallel_class(cls)
+    if groups.ep_size > 1:
+        experts.register_state_dict_post_hook(_whole_experts)
+        experts.register_load_state_dict_pre_hook(_local_experts)
+
+
+def _whole_experts(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
+    """State-dict hook: this rank's run of experts becomes all of them (collective over the
+    expert group). Left alone: `keep_vars=True` (the engine's own readers, which want the live
+    Parameters) and ZeRO-3's empty shards outside a gather (as DeepSpeed gives them)."""
+    shard: ExpertShard = module.expert_shard
+    for name, _ in expert_tensors(module):
+        key = prefix + name
+        tensor = state.get(key)
+        if isinstance(tensor, nn.Parameter) or tensor is None or tensor.shape[0] != shard.local:
+            continue
+        state[key] = whole(tensor, 0, shard.groups.ep_group)
+
+
+def _local_experts(module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
+    """Load hook: a whole experts tensor (every expert, as `state_dict()` and the Hugging Face
+    files hold them) is cut to this rank's run; this rank's run itself loads as it is."""
+    shard: ExpertShard = module.expert_shard
+    for name, _ in expert_tensors(module):
+        tensor = state.get(prefix + name)
+        if tensor is not None and tensor.shape[0] == shard.experts:
+            state[prefix + name] = tensor[shard.first : shard.first + shard.local]
 
 
 _CLASSES: dict[type, type] = {}
