@@ -194,7 +194,8 @@ def test_launcher_defaults() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--launcher", "pdsh", "t.py"], "unrecognized launcher flag '--launcher'"),
+        (["--launcher_arg", "x", "t.py"], "unrecognized launcher flag '--launcher_arg'"),
+        (["--launcher", "lsf", "t.py"], "--launcher 'lsf' is not one of pdsh, ssh, openmpi"),
         (["--num_gpus", "2"], "missing the script"),
         (["--module", "--no_python", "t.py"], "cannot be used together"),
         (["--num_procs", "0", "t.py"], "--num_procs must be at least 1, got 0"),
@@ -281,7 +282,7 @@ def test_multi_node_ssh_commands(tmp_path: Path) -> None:
     cwd = str(tmp_path / "my project")
     launches = _plan(
         ["-H", _hostfile(tmp_path), "-i", "worker-0:1,3@worker-1", "--ssh_port", "2222",
-         "train.py", "--name", "run one", 'say "hi"', "it's"],
+         "--launcher", "ssh", "train.py", "--name", "run one", 'say "hi"', "it's"],
         environ={"HOME": str(tmp_path), "NCCL_DEBUG": "INFO", "UNRELATED": "x"},
         cwd=cwd,
     )  # fmt: skip

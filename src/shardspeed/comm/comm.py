@@ -47,6 +47,8 @@ import torch.distributed as dist
 
 from ..common.net import free_port, port_is_free
 from ..config.errors import ConfigError
+from .discovery import adopt as adopt_launcher_layout
+from .discovery import torchrun_layout_present
 from .logger import comms_logger
 from .teardown import close_at_exit
 
@@ -111,8 +113,6 @@ _HERE = os.path.abspath(__file__)
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(_HERE)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
-_ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
 # DeepSpeed 0.19's default: a job moved over keeps its limit, and it is long enough for what one
 # rank does while the others wait at a collective (rank 0 writing a large consolidated checkpoint,
 # one rank loading a model to broadcast), yet a hang is reported in minutes rather than torch's 30.
@@ -157,15 +157,16 @@ def init_distributed(
 ) -> None:
     """Start the default process group, as `deepspeed.init_distributed` does.
 
-    Reads torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK). Without a
-    launcher it starts a one-process group on a free local port rather than looking for MPI.
-    `timeout` bounds every collective and takes precedence over the config's `comms_timeout_s`;
-    without it the group starts with `DEEPSPEED_TIMEOUT` (minutes) or `DEFAULT_TIMEOUT`, which the
-    config's key replaces at `initialize`. `auto_mpi_discovery`, `verbose` and `config` are
-    accepted for signature compatibility only: there is no MPI discovery to switch.
+    Reads torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK). In a
+    process started by ``mpirun`` or ``srun`` without torchrun, it reads the rank layout they give
+    (`discovery.py`) unless `auto_mpi_discovery` is False; without any launcher it starts a
+    one-process group on a free local port. `timeout` bounds every collective and takes precedence
+    over the config's `comms_timeout_s`; without it the group starts with `DEEPSPEED_TIMEOUT`
+    (minutes) or `DEFAULT_TIMEOUT`, which the config's key replaces at `initialize`. `verbose` and
+    `config` are accepted for signature compatibility only.
     """
     global _started, _applied
-    del auto_mpi_discovery, verbose, config
+    del verbose, config
     if dist_init_required is False or dist.is_initialized():
         if dist.is_initialized():
             close_at_exit()  # a group other code started is closed at exit too
@@ -174,7 +175,12 @@ def init_distributed(
     source = _EXPLICIT
     if timeout is None:
         timeout, source = _environment_timeout()
-    if not all(key in os.environ for key in _ENV_KEYS) and init_method is None:
+    if init_method is None:
+        try:
+            adopt_launcher_layout(os.environ, distributed_port, allowed=auto_mpi_discovery)
+        except ValueError as error:
+            raise RuntimeError(f"init_distributed: {error}") from None
+    if not torchrun_layout_present() and init_method is None:
         if rank not in (-1, 0) or world_size not in (-1, 1):
             raise RuntimeError(
                 f"init_distributed(rank={rank}, world_size={world_size}) needs MASTER_ADDR and "

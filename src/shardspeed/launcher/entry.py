@@ -3,7 +3,11 @@
 Flags (before the target): ``--no_local_rank`` (do not append ``--local_rank=N``), ``--compat`` (install
 the ``deepspeed`` import alias first), ``--module`` (the target is a module name), ``--no_python`` (the
 target is an executable to exec), ``--bind_cores_to_rank`` (pin this process to its share of cores,
-see :mod:`shardspeed.launcher.cores`) and ``--bind_core_list=LIST`` (the cores to share out).
+see :mod:`shardspeed.launcher.cores`), ``--bind_core_list=LIST`` (the cores to share out) and
+``--rank_log=PREFIX`` (this rank's stdout and stderr go to ``PREFIX_rank<RANK>.log``).
+
+A worker that ``mpirun`` or ``srun`` started rather than torchrun first gets torchrun's variables
+from theirs (:mod:`shardspeed.comm.discovery`), so everything below, and the script, reads one set.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from shardspeed.launcher.cores import bind_this_process
 
 _FLAGS = ("--no_local_rank", "--compat", "--module", "--no_python", "--bind_cores_to_rank")
 _CORE_LIST = "--bind_core_list="
+_RANK_LOG = "--rank_log="
 
 
 def run_target(target: str, args: Sequence[str], *, module: bool = False) -> None:
@@ -48,6 +53,30 @@ def _set_deepspeed_rank_env() -> None:
             os.environ.setdefault(ours, os.environ[torchrun])
 
 
+def _adopt_launcher_layout() -> None:
+    """Set RANK, LOCAL_RANK, ... from an MPI's or Slurm's variables when torchrun did not."""
+    if "RANK" in os.environ:
+        return  # torchrun's (the check imports no torch)
+    from shardspeed.comm.discovery import adopt
+
+    try:
+        adopt(os.environ)
+    except ValueError as error:
+        raise SystemExit(f"shardspeed.launcher.entry: {error}") from None
+
+
+def _redirect_output(prefix: str) -> None:
+    """Send this process's stdout and stderr to ``PREFIX_rank<RANK>.log`` (DeepSpeed's name)."""
+    path = f"{prefix}_rank{os.environ.get('RANK', '0')}.log"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # the directory on a remote node
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+
+
 def _bind_cores(core_list: str | None) -> None:
     """Pin this worker to its share of the node's cores (before the target starts its threads)."""
     try:
@@ -56,7 +85,7 @@ def _bind_cores(core_list: str | None) -> None:
     except KeyError as missing:
         raise SystemExit(
             f"shardspeed.launcher.entry: --bind_cores_to_rank needs {missing.args[0]}; run it under "
-            "torchrun"
+            "torchrun, mpirun or srun"
         ) from None
     try:
         bind_this_process(core_list, local_world_size, local_rank)
@@ -68,10 +97,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the target of this worker; returns 0 when it finishes (failures raise)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = set()
-    core_list = None
+    core_list = rank_log = None
     while argv and argv[0].startswith("-"):
         if argv[0].startswith(_CORE_LIST):
             core_list = argv.pop(0)[len(_CORE_LIST) :]
+            continue
+        if argv[0].startswith(_RANK_LOG):
+            rank_log = argv.pop(0)[len(_RANK_LOG) :]
             continue
         if argv[0] not in _FLAGS:
             raise SystemExit(f"shardspeed.launcher.entry: unknown flag {argv[0]!r}")
@@ -79,11 +111,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv:
         raise SystemExit("usage: python -m shardspeed.launcher.entry [flags] target [args]")
     target, args = argv[0], argv[1:]
+    _adopt_launcher_layout()
+    if rank_log is not None:
+        _redirect_output(rank_log)
     if "--no_local_rank" not in flags:
         local_rank = os.environ.get("LOCAL_RANK")
         if local_rank is None:
             raise SystemExit(
-                "shardspeed.launcher.entry: LOCAL_RANK is not set; run it under torchrun"
+                "shardspeed.launcher.entry: LOCAL_RANK is not set; run it under torchrun, mpirun "
+                "or srun"
             )
         # DeepSpeed's launcher passes the local rank as an argument; scripts written for it parse it.
         args.append(f"--local_rank={local_rank}")

@@ -16,10 +16,13 @@ MASTER_PORT as usual.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,9 +32,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from shardspeed.common.net import free_port, port_is_free
+from shardspeed.launcher import cluster, pdsh
+from shardspeed.launcher.cluster import RANK_LAUNCHERS
 from shardspeed.launcher.cores import parse_range_list
 from shardspeed.launcher.hostfile import parse_hostfile, read_hostfile, select_resources
 from shardspeed.launcher.hostfile import parse_resource_filter as parse_resource_filter
+from shardspeed.launcher.shell import node_shell, sourcing
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 DEFAULT_MASTER_PORT = 29500
@@ -41,6 +47,15 @@ DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"
 # Variables whose names start with one of these are copied to remote nodes. This is DeepSpeed's list
 # (MLFLOW, PYTHON, MV2, UCX) plus NCCL, which its CUDA accelerator adds.
 EXPORT_PREFIXES = ("NCCL", "PYTHON", "MLFLOW", "UCX", "MV2")
+# DeepSpeed's --save_pid file: PID_FILE_DIR/<pid of the launcher>.deepspeed.
+PID_FILE_DIR = "/tmp"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LAUNCHERS = ("pdsh", "ssh", *RANK_LAUNCHERS)
+# Launchers that reach other hosts over ssh, whose first host DeepSpeed checks before starting.
+SSH_LAUNCHERS = ("pdsh", "ssh", "openmpi", "mpich", "impi", "mvapich")
+# torchrun's --node_rank in the pdsh command, until it becomes pdsh's %n (a word shells leave alone).
+_PDSH_NODE_RANK = "SHARDSPEED_PDSH_NODE_RANK"
+_log = logging.getLogger("shardspeed.launcher")
 
 # DeepSpeed's runner offers its hostfile helpers under these names (parse_resource_filter is
 # re-exported above); code written for it calls them here.
@@ -50,11 +65,13 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class Launch(NamedTuple):
-    """One process for the launcher to start: its argv, its environment, and whether it is ssh."""
+    """One process for the launcher to start: its argv, its environment, and whether it reaches
+    other hosts (then it gets no stdin)."""
 
     argv: list[str]
     env: dict[str, str]
     remote: bool
+    files: Mapping[str, str] = {}  # written before it starts and removed after (an MPI hostfile)
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, bool]]:
@@ -134,6 +151,53 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, bool]]:
     )
     add("--ssh_port", type=int, default=None, help="ssh port for remote nodes")
     add(
+        "--launcher",
+        type=str.lower,
+        default=None,
+        help="how a multi-node job starts: pdsh (DeepSpeed's default; ssh when pdsh is not "
+        "installed), ssh, openmpi, mpich, impi, mvapich or slurm (see docs/launching.md)",
+    )
+    add(
+        "--launcher_args",
+        default="",
+        help="arguments for the multi-node launcher's program, as one quoted string",
+    )
+    add(
+        "--force_multi",
+        action="store_true",
+        help="start through the multi-node launcher even when the job has one node",
+    )
+    add(
+        "--no_ssh_check",
+        action="store_true",
+        help="do not check that the first host answers ssh without a password before starting",
+    )
+    add(
+        "--enable_each_rank_log",
+        default=None,
+        metavar="DIR",
+        help="write each rank's stdout and stderr to DIR/<start time>_rank<N>.log",
+    )
+    add(
+        "--save_pid",
+        action="store_true",
+        help=f"while the job runs, write the pid of the process this launcher started (torchrun on "
+        f"one node; pdsh, mpirun or srun) to {PID_FILE_DIR}/<launcher pid>.deepspeed",
+    )
+    add(
+        "--venv_script",
+        default=None,
+        help="a shell script (e.g. a virtualenv's bin/activate) sourced before each node's or "
+        "rank's processes start",
+    )
+    add(
+        "--log_level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="the launcher's own messages: info shows the commands it runs",
+    )
+    add("-q", "--quiet", action="store_true", help="only errors: same as --log_level error")
+    add(
         "--bind_cores_to_rank",
         action="store_true",
         help="pin each process to an equal share of its node's CPU cores and set OMP_NUM_THREADS "
@@ -184,6 +248,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--module and --no_python cannot be used together")
     if args.compat and args.no_python:
         parser.error("--compat needs a Python script; it cannot be used with --no_python")
+    if args.launcher is not None and args.launcher not in LAUNCHERS:
+        parser.error(f"--launcher {args.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+    if args.quiet:
+        args.log_level = "error"
+    # DeepSpeed's default value of --enable_each_rank_log is the string "None".
+    if args.enable_each_rank_log in (None, "None"):
+        args.rank_log_prefix = args.enable_each_rank_log = None
+    else:
+        if os.path.isfile(args.enable_each_rank_log):
+            parser.error(
+                f"--enable_each_rank_log {args.enable_each_rank_log!r} is a file; name a directory"
+            )
+        # One start time for every rank's file name, as DeepSpeed's per-node launcher stamps them.
+        stamp = time.strftime("%Y%m%d%H%M%S", time.localtime())
+        args.rank_log_prefix = os.path.join(os.path.abspath(args.enable_each_rank_log), stamp)
     if args.bind_core_list is not None:
         if not args.bind_cores_to_rank:
             parser.error("--bind_core_list only takes effect with --bind_cores_to_rank; add it")
@@ -261,12 +340,32 @@ def remote_environment(environ: Mapping[str, str], cwd: str) -> dict[str, str]:
     return exports
 
 
+def entry_flags(args: argparse.Namespace, *, local_rank: bool = True) -> list[str]:
+    """The flags of :mod:`shardspeed.launcher.entry` that `args` ask for.
+
+    `local_rank` False: the script gets no ``--local_rank``, as DeepSpeed's MPI and Slurm
+    launchers run it.
+    """
+    flags = [
+        f"--{flag}"
+        for flag in ("no_local_rank", "module", "no_python", "compat", "bind_cores_to_rank")
+        if getattr(args, flag)
+    ]
+    if not local_rank and not args.no_local_rank:
+        flags.insert(0, "--no_local_rank")
+    if args.bind_core_list is not None:
+        flags.append(f"--bind_core_list={args.bind_core_list}")
+    if args.rank_log_prefix is not None:
+        flags.append(f"--rank_log={args.rank_log_prefix}")
+    return flags
+
+
 def torchrun_command(
     args: argparse.Namespace,
     *,
     nproc: int,
     nnodes: int,
-    node_rank: int,
+    node_rank: int | str,
     master_addr: str | None,
 ) -> list[str]:
     """The torchrun command for one node, running the script through :mod:`shardspeed.launcher.entry`.
@@ -288,13 +387,14 @@ def torchrun_command(
         ]  # fmt: skip
     if args.max_restarts is not None:
         command += ["--max_restarts", str(args.max_restarts)]
-    command += ["--module", ENTRY_MODULE]
-    for flag in ("no_local_rank", "module", "no_python", "compat", "bind_cores_to_rank"):
-        if getattr(args, flag):
-            command.append(f"--{flag}")
-    if args.bind_core_list is not None:
-        command.append(f"--bind_core_list={args.bind_core_list}")
+    command += ["--module", ENTRY_MODULE, *entry_flags(args)]
     return [*command, args.user_script, *args.user_args]
+
+
+def rank_program(args: argparse.Namespace) -> list[str]:
+    """What each rank runs when mpirun or srun starts it: the script through the entry module."""
+    command = [sys.executable, "-u", "-m", ENTRY_MODULE, *entry_flags(args, local_rank=False)]
+    return sourcing(args.venv_script, [*command, args.user_script, *args.user_args])
 
 
 def ssh_command(
@@ -303,30 +403,21 @@ def ssh_command(
     exports: Mapping[str, str],
     command: Sequence[str],
     ssh_port: int | None = None,
+    venv_script: str | None = None,
 ) -> list[str]:
-    """``ssh host "cd CWD && export K=V ... && exec COMMAND"`` with every word shell-quoted.
+    """``ssh host "cd CWD && [. VENV &&] export K=V ... && exec COMMAND"``, every word quoted.
 
     ``-tt`` gives the remote command a terminal so that stopping this ssh client hangs it up and
     torchrun, which handles SIGHUP, stops its workers instead of running on unattended.
     """
-    remote = f"cd {shlex.quote(cwd)} && "
-    if exports:
-        remote += "export " + " ".join(
-            f"{key}={shlex.quote(value)}" for key, value in exports.items()
-        )
-        remote += " && "
-    remote += "exec " + shlex.join(command)
     port = ["-p", str(ssh_port)] if ssh_port is not None else []
-    return ["ssh", "-tt", *port, host, remote]
+    return ["ssh", "-tt", *port, host, node_shell(cwd, exports, command, venv_script)]
 
 
-def plan_launches(
-    args: argparse.Namespace,
-    environ: Mapping[str, str],
-    cwd: str,
-    count_local_devices: Callable[[], int] = _count_local_devices,
-) -> list[Launch]:
-    """Resolve resources and build the processes to start; raises ValueError for bad requests."""
+def resolve_hosts(
+    args: argparse.Namespace, count_local_devices: Callable[[], int] = _count_local_devices
+) -> dict[str, list[int]]:
+    """The hosts and slots to run on: the hostfile's (or this machine's), narrowed by the flags."""
     hostfile = args.hostfile or DEFAULT_HOSTFILE
     if os.path.isfile(hostfile):
         pool = read_hostfile(hostfile)
@@ -335,15 +426,52 @@ def plan_launches(
     else:
         # The local device count is only needed when no flag says how many processes to start.
         pool = {"localhost": args.num_gpus or count_local_devices()}
-    hosts = select_resources(pool, args.include, args.exclude, args.num_nodes, args.num_gpus)
+    return select_resources(pool, args.include, args.exclude, args.num_nodes, args.num_gpus)
+
+
+def launcher_name(
+    args: argparse.Namespace, which: Callable[[str], str | None] = shutil.which
+) -> str:
+    """``--launcher``, else DeepSpeed's default pdsh, or ssh where pdsh is not installed."""
+    return args.launcher or ("pdsh" if which("pdsh") else "ssh")
+
+
+def is_multi_node(args: argparse.Namespace, hosts: Mapping[str, list[int]]) -> bool:
+    """Whether the job starts through the multi-node launcher (as DeepSpeed decides)."""
+    return (args.force_multi or len(hosts) > 1) and not args.no_ssh
+
+
+def plan_launches(
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    cwd: str,
+    count_local_devices: Callable[[], int] = _count_local_devices,
+    which: Callable[[str], str | None] = shutil.which,
+) -> list[Launch]:
+    """Resolve resources and build the processes to start; raises ValueError for bad requests.
+
+    `which` finds the multi-node launcher's program (the tests pass their own to build a command
+    without the tool).
+    """
+    hosts = resolve_hosts(args, count_local_devices)
+    launcher = launcher_name(args, which)
     names = list(hosts)
     master_addr: str | None = args.master_addr or ("127.0.0.1" if len(names) == 1 else names[0])
+    if is_multi_node(args, hosts):
+        if args.launcher is None:
+            _log.info("multi-node launch through %s", launcher)
+        return _multi_node_launches(args, launcher, hosts, environ, cwd, which)
+    if args.launcher is not None or args.launcher_args:
+        _log.info(
+            "one node: started by torchrun here; --launcher and --launcher_args apply to "
+            "multi-node launches (add --force_multi to start through the launcher)"
+        )
 
     if args.no_ssh:
         if args.node_rank is None or not 0 <= args.node_rank < len(names):
             raise ValueError(f"--no_ssh needs --node_rank between 0 and {len(names) - 1}")
         node_rank = args.node_rank
-    elif len(names) == 1:
+    else:
         node_rank = 0
         if args.master_port is None and args.master_addr is None:
             master_addr = None  # torchrun's own free port, bound as it is chosen
@@ -351,8 +479,6 @@ def plan_launches(
             # Only this machine meets at the port, so any free one will do.
             args = copy.copy(args)
             args.master_port = free_port()
-    else:
-        return _remote_launches(args, hosts, master_addr, environ, cwd)
     slots = hosts[names[node_rank]]
     env = dict(environ)
     devices = local_visible_devices(slots, environ)
@@ -361,7 +487,66 @@ def plan_launches(
     command = torchrun_command(
         args, nproc=len(slots), nnodes=len(names), node_rank=node_rank, master_addr=master_addr
     )
-    return [Launch(command, env, remote=False)]
+    return [Launch(sourcing(args.venv_script, command), env, remote=False)]
+
+
+def _multi_node_launches(
+    args: argparse.Namespace,
+    launcher: str,
+    hosts: Mapping[str, list[int]],
+    environ: Mapping[str, str],
+    cwd: str,
+    which: Callable[[str], str | None],
+) -> list[Launch]:
+    """The launches of a multi-node job: a torchrun per node (ssh, pdsh), or the cluster's tool."""
+    master_addr = args.master_addr or next(iter(hosts))
+    if launcher == "ssh":
+        return _remote_launches(args, hosts, master_addr, environ, cwd)
+    if launcher == "pdsh":
+        return [_pdsh_launch(args, hosts, master_addr, environ, cwd)]
+    tool = cluster.find_tool(launcher, which)
+    port = str(args.master_port or DEFAULT_MASTER_PORT)
+    exports = {**remote_environment(environ, cwd), "MASTER_PORT": port}
+    if launcher != "slurm" or args.master_addr:
+        # srun decides where rank 0 runs; its ranks read the first host of their node list.
+        exports["MASTER_ADDR"] = master_addr
+    argv, env, files = cluster.rank_launch(
+        launcher, args, hosts, exports, rank_program(args), cluster.hostfile_path(), tool
+    )
+    return [Launch(argv, {**environ, **env}, remote=True, files=files)]
+
+
+def _pdsh_launch(
+    args: argparse.Namespace,
+    hosts: Mapping[str, list[int]],
+    master_addr: str,
+    environ: Mapping[str, str],
+    cwd: str,
+) -> Launch:
+    """One pdsh command running every node's torchrun; pdsh's ``%n`` is the node rank."""
+    slots = next(iter(hosts.values()))
+    if any(other != slots for other in hosts.values()):
+        listed = ", ".join(f"{host}: {','.join(map(str, s))}" for host, s in hosts.items())
+        raise ValueError(
+            f"--launcher pdsh runs one command on every node, so every node needs the same slots "
+            f"({listed}); use --num_gpus N, or --launcher ssh, which starts each node on its own"
+        )
+    exports = {
+        **remote_environment(environ, cwd),
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, slots)),
+    }
+    command = torchrun_command(
+        args,
+        nproc=len(slots),
+        nnodes=len(hosts),
+        node_rank=_PDSH_NODE_RANK,
+        master_addr=master_addr,
+    )
+    shell = pdsh.escape(node_shell(cwd, exports, command, args.venv_script))
+    argv = pdsh.pdsh_command(
+        list(hosts), shell.replace(_PDSH_NODE_RANK, pdsh.NODE_RANK), shlex.split(args.launcher_args)
+    )
+    return Launch(argv, {**environ, **pdsh.pdsh_environment(environ, args.ssh_port)}, remote=True)
 
 
 def _remote_launches(
@@ -380,7 +565,7 @@ def _remote_launches(
         command = torchrun_command(
             args, nproc=len(slots), nnodes=len(hosts), node_rank=node_rank, master_addr=master_addr
         )
-        argv = ssh_command(host, cwd, exports, command, args.ssh_port)
+        argv = ssh_command(host, cwd, exports, command, args.ssh_port, args.venv_script)
         launches.append(Launch(argv, dict(environ), remote=True))
     return launches
 
@@ -398,11 +583,18 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise _Terminated
 
 
-def run_launches(launches: Sequence[Launch], grace_s: float = 10.0) -> int:
+def run_launches(
+    launches: Sequence[Launch], grace_s: float = 10.0, pid_file: str | None = None
+) -> int:
     """Start the launches in parallel and wait for them.
 
     Returns 0 when all succeed; the first non-zero status stops the others and is returned.
+    `pid_file` holds the started processes' pids, one a line, while they run.
     """
+    files = {path: text for launch in launches for path, text in launch.files.items()}
+    for path, text in files.items():
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
     processes = [
         # ssh gets no stdin: several clients must not fight over this terminal.
         subprocess.Popen(
@@ -410,6 +602,10 @@ def run_launches(launches: Sequence[Launch], grace_s: float = 10.0) -> int:
         )
         for launch in launches
     ]
+    if pid_file is not None:
+        with open(pid_file, "w", encoding="utf-8") as handle:
+            handle.write("".join(f"{process.pid}\n" for process in processes))
+        _log.info("launcher pid file %s: %s", pid_file, " ".join(str(p.pid) for p in processes))
     in_main_thread = threading.current_thread() is threading.main_thread()
     # SIGTERM (e.g. from a job scheduler) must stop the children too, not orphan them.
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
@@ -439,6 +635,9 @@ def run_launches(launches: Sequence[Launch], grace_s: float = 10.0) -> int:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        for path in [*files, *([pid_file] if pid_file else [])]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -457,14 +656,53 @@ def main(argv: list[str] | None = None) -> int:
 
 def launch(args: argparse.Namespace) -> int:
     """Start the processes `args` describe and wait for them; returns the exit status."""
+    _show_messages(args.log_level)
     try:
+        hosts = resolve_hosts(args)
+        launcher = launcher_name(args)
+        if is_multi_node(args, hosts) and launcher in SSH_LAUNCHERS and not args.no_ssh_check:
+            check_ssh(next(iter(hosts)), args.ssh_port, launcher)
         launches = plan_launches(args, os.environ, os.getcwd())
     except ValueError as error:
         print(f"shardspeed: error: {error}", file=sys.stderr)
         return 2
     for launch in launches:
-        print(f"shardspeed: {shlex.join(launch.argv)}", file=sys.stderr, flush=True)
-    return run_launches(launches)
+        _log.info("%s", shlex.join(launch.argv))
+    if args.enable_each_rank_log is not None:
+        os.makedirs(args.enable_each_rank_log, exist_ok=True)
+    pid_file = os.path.join(PID_FILE_DIR, f"{os.getpid()}.deepspeed") if args.save_pid else None
+    return run_launches(launches, pid_file=pid_file)
+
+
+def _show_messages(level: str) -> None:
+    """Print the launcher's own messages at `level` and above to stderr, as ``shardspeed: ...``."""
+    if not _log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("shardspeed: %(message)s"))
+        _log.addHandler(handler)
+        _log.propagate = False
+    _log.setLevel(level.upper())
+
+
+def check_ssh(host: str, ssh_port: int | None, launcher: str) -> None:
+    """Refuse to start when `host` does not answer ssh without a password, as DeepSpeed checks the
+    first host for launchers that reach hosts over ssh (srun does not)."""
+    port = ["-p", str(ssh_port)] if ssh_port is not None else []
+    command = ["ssh", "-o", "PasswordAuthentication=no", *port, host, "hostname"]
+    try:
+        done = subprocess.run(
+            command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60
+        )
+        failure = done.stderr.strip().splitlines()[-1:] if done.returncode else None
+    except subprocess.TimeoutExpired:
+        failure = ["no answer in 60 s"]
+    if failure is not None:
+        said = f": {failure[0]}" if failure else ""
+        raise ValueError(
+            f"host {host!r} was not reachable by ssh without a password ({shlex.join(command)} "
+            f"failed{said}). Set up passwordless ssh to the hosts, or pass --no_ssh_check if "
+            f"--launcher {launcher} reaches them another way"
+        )
 
 
 if __name__ == "__main__":
