@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..common.observer import StepObserver
+from ..zero.accounting import saved_activation_bytes
 
 
 def _rss_bytes() -> int:
@@ -79,19 +80,7 @@ class AutotuningMeter(StepObserver):
             yield
             self.activation_bytes = torch.cuda.memory_allocated() - before
             return
-        parameters = {id(p) for p in engine.module.parameters()}
-        seen: set[int] = set()
-        total = [0]
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if id(tensor) not in parameters and key not in seen and storage.nbytes():
-                seen.add(key)
-                total[0] += storage.nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_activation_bytes(engine.module) as total:
             yield
         self.activation_bytes = total[0]
 

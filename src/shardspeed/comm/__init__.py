@@ -8,6 +8,7 @@ from .comm import (
     all_gather_into_tensor,
     all_reduce,
     all_to_all_single,
+    backend_of,
     barrier,
     batch_isend_irecv,
     broadcast,
@@ -28,6 +29,7 @@ from .comm import (
     reduce_scatter_tensor,
     reset_comm_volume,
     set_same_call_check,
+    stand_in_for,
     use_collective_timeout,
 )
 from .logger import CommsLogger, comms_logger, configure_comms_logger, log_summary, reset_log
@@ -44,6 +46,7 @@ __all__ = [
     "all_gather_into_tensor",
     "all_reduce",
     "all_to_all_single",
+    "backend_of",
     "barrier",
     "batch_isend_irecv",
     "broadcast",
@@ -68,5 +71,6 @@ __all__ = [
     "reset_comm_volume",
     "reset_log",
     "set_same_call_check",
+    "stand_in_for",
     "use_collective_timeout",
 ]

@@ -56,10 +56,14 @@ ReduceOp = dist.ReduceOp
 # torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-# Calls and payload bytes by (collective, size of the group it ran in): the group size tells a
-# gather within a few ranks (ZeRO++'s hpZ node) from one across the whole data-parallel group.
-_bytes: Counter[tuple[str, int]] = Counter()
-_calls: Counter[tuple[str, int]] = Counter()
+# Calls and payload bytes by (collective, size of the group it ran in, the global ranks it
+# spans): the group size tells a gather within a few ranks (ZeRO++'s hpZ node) from one across the
+# whole data-parallel group; the ranks (for a send: this rank and its peer) tell a dry run which
+# links a collective crosses (`shardspeed.planning`).
+_bytes: Counter[tuple[str, int, tuple[int, ...]]] = Counter()
+_calls: Counter[tuple[str, int, tuple[int, ...]]] = Counter()
+# Each group's global ranks, computed once (a world of thousands of ranks is asked every call).
+_spans: weakref.WeakKeyDictionary[Any, tuple[int, ...]] = weakref.WeakKeyDictionary()
 # Collectives this process entered through the wrappers, in any group (the last one's number).
 _seq = 0
 
@@ -103,6 +107,7 @@ class _GroupState:
 # Weak keys: a destroyed group's state goes with it, and a new group never inherits it.
 _groups: weakref.WeakKeyDictionary[Any, _GroupState] = weakref.WeakKeyDictionary()
 
+_fake_stands_for = "nccl"  # a dry run's backend, for choices made per backend (`backend_of`)
 _same_call_check = True  # the config's 'comms_same_call_check'
 _steps_marked = False  # the engine marks its steps (`mark_step`): steps' calls are recorded
 _STALL_KEY = "shardspeed/stalled/{}"  # + global rank, in the default group's store
@@ -328,6 +333,8 @@ def _check_ranks_agree(timeout: datetime.timedelta, source: str, same_call_check
 
 def _apply_timeout(timeout: datetime.timedelta) -> None:
     """Give every process group and the default store `timeout`; warn once where torch cannot."""
+    if dist.get_backend() == "fake":
+        return  # a dry run's collectives return at once: there is nothing to time out
     kept = []
     groups = list(dist.distributed_c10d._world.pg_map)
     for group in groups:
@@ -367,6 +374,19 @@ def destroy_process_group(group: Any = None) -> None:
         dist.destroy_process_group(group)
 
 
+def backend_of(group: Any = None) -> str:
+    """The backend whose choices apply to `group`: its own, or on torch's fake process group (a
+    dry run, `shardspeed.planning`) the backend that the dry run stands for."""
+    name = str(dist.get_backend(group))
+    return _fake_stands_for if name == "fake" else name
+
+
+def stand_in_for(backend: str) -> None:
+    """Make choices on torch's fake process group as on `backend` ("nccl", "gloo")."""
+    global _fake_stands_for
+    _fake_stands_for = backend
+
+
 def get_rank(group: Any = None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
@@ -388,32 +408,47 @@ def _group_size(group: Any) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def _count(name: str, tensor: torch.Tensor, group: Any = None) -> int:
-    """Add one call of `tensor`'s payload to `name` in `group`; return the payload bytes (for the
-    logger)."""
+def _count(
+    name: str, tensor: torch.Tensor, group: Any = None, span: tuple[int, ...] | None = None
+) -> int:
+    """Add one call of `tensor`'s payload to `name` in `group` (over `span`, the global ranks, when
+    they are not the group's); return the payload bytes (for the logger)."""
     nbytes = tensor.numel() * tensor.element_size()
-    _add(name, group, nbytes)
+    _add(name, group, nbytes, span)
     return nbytes
 
 
-def _add(name: str, group: Any, nbytes: int) -> None:
-    key = (name, _group_size(group))
+def _add(name: str, group: Any, nbytes: int, span: tuple[int, ...] | None = None) -> None:
+    key = (name, _group_size(group), _span(group) if span is None else span)
     _bytes[key] += nbytes
     _calls[key] += 1
 
 
-def comm_volume(by_group: bool = False) -> dict[Any, dict[str, int]]:
+def _span(group: Any) -> tuple[int, ...]:
+    if not dist.is_initialized():
+        return (0,)
+    group = dist.group.WORLD if group is None else group
+    span = _spans.get(group)
+    if span is None:
+        span = _spans[group] = tuple(_members(group) or ())
+    return span
+
+
+def comm_volume(by_group: bool = False, by_ranks: bool = False) -> dict[Any, dict[str, int]]:
     """Per collective, the calls this process made and their payload bytes since the last reset;
-    `by_group`: keyed by (collective, size of the group it ran in) instead.
+    `by_group`: keyed by (collective, size of the group it ran in) instead; `by_ranks`: by
+    (collective, the group's global ranks in group order), a send's being (this rank, its peer).
 
     Payload is the size of the full tensor a collective acts on (a reduce-scatter's input, an
     all-gather's output), the measure the ZeRO paper counts in; wire traffic depends on the algorithm.
     """
-    if by_group:
-        return {key: {"calls": _calls[key], "bytes": _bytes[key]} for key in sorted(_calls)}
-    total: dict[str, dict[str, int]] = {}
+    total: dict[Any, dict[str, int]] = {}
     for key, calls in sorted(_calls.items()):
-        entry = total.setdefault(key[0], {"calls": 0, "bytes": 0})
+        name, size, span = key
+        entry = total.setdefault(
+            (name, span) if by_ranks else (name, size) if by_group else name,
+            {"calls": 0, "bytes": 0},
+        )
         entry["calls"] += calls
         entry["bytes"] += _bytes[key]
     return total
@@ -909,7 +944,7 @@ def batch_isend_irecv(ops: list[dist.P2POp]) -> list[Any]:
     seq = _seq
     for op in ops:
         if op.op is dist.isend:
-            _count("send", op.tensor, op.group)
+            _count("send", op.tensor, op.group, (get_rank(), op.peer))
     group = ops[0].group if ops else None
     try:
         works = dist.batch_isend_irecv(ops)

@@ -950,8 +950,13 @@ def _cast_module(
 
 def _device() -> torch.device:
     """The local GPU when the accelerator is CUDA and the process group can carry CUDA tensors
-    (NCCL); a gloo group (a CPU job, or the CPU test harness on a GPU machine) trains on the CPU."""
-    gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
+    (NCCL); a gloo group (a CPU job, or the CPU test harness on a GPU machine) trains on the CPU.
+    On torch's fake process group (a dry run, `shardspeed.planning`) nothing is computed or moved:
+    the meta device holds every tensor as a shape."""
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    if backend == "fake":
+        return torch.device("meta")
+    gloo = backend == "gloo"
     accelerator = get_accelerator()
     if accelerator.device_name() == "cuda" and not gloo:
         return accelerator.device(get_local_rank())

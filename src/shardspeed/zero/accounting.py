@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -18,6 +20,31 @@ def memory_breakdown(optimizer: Any, module: nn.Module, device: torch.device) ->
     size on disk); "device" is `device`'s memory (host memory when there is no accelerator). At
     stage 3 `gathered_peak` adds the most bytes of gathered parameters alive at one time.
     """
+    places = memory_places(optimizer, module, device)
+    sizes = {kind: sum(where.values()) for kind, where in places.items()}
+    sizes["total"] = sum(sizes.values())
+    swapped = getattr(optimizer, "swapped", None)
+    sizes.update(
+        {f"on_{place}": sum(where[place] for where in places.values()) for place in _PLACES}
+    )
+    sizes["on_nvme"] = swapped.bytes_on_disk() if swapped is not None else 0
+    sharded = getattr(optimizer, "sharded_params", None)
+    if sharded is not None:
+        # The most bytes of whole (gathered) parameters alive at once so far, which comes on
+        # top of what is held between steps.
+        sizes["gathered_peak"] = sharded.peak_gathered_bytes
+    return sizes
+
+
+_PLACES = ("device", "cpu")
+
+
+def memory_places(
+    optimizer: Any, module: nn.Module, device: torch.device
+) -> dict[str, dict[str, int]]:
+    """Bytes this rank holds in memory, by kind and by place ("device": `device`'s memory, host
+    memory when there is no accelerator; "cpu": host memory beside an accelerator), each storage
+    counted once. Swap files are not in it (`optimizer.swapped.bytes_on_disk()`)."""
     held = (
         optimizer.held_tensors()
         if optimizer is not None
@@ -25,28 +52,54 @@ def memory_breakdown(optimizer: Any, module: nn.Module, device: torch.device) ->
     )
     held["buffers"] = list(module.buffers())
     seen: set[tuple] = set()
-    sizes = {}
-    where = {"device": 0, "cpu": 0, "nvme": 0}
     accelerator = device.type != "cpu"
+    places = {}
     for kind in _KINDS:
-        total = 0
+        where = dict.fromkeys(_PLACES, 0)
         for tensor in held.get(kind, []):
-            storage = tensor.untyped_storage()
-            key = (storage.data_ptr(), tensor.device)
-            if storage.nbytes() and key not in seen:
+            key = storage_key(tensor)
+            nbytes = tensor.untyped_storage().nbytes()
+            if nbytes and key not in seen:
                 seen.add(key)
-                total += storage.nbytes()
-                place = "cpu" if accelerator and tensor.device.type == "cpu" else "device"
-                where[place] += storage.nbytes()
-        sizes[kind] = total
-    swapped = getattr(optimizer, "swapped", None)
-    if swapped is not None:
-        where["nvme"] = swapped.bytes_on_disk()
-    sizes["total"] = sum(sizes.values())
-    sizes.update({f"on_{k}": v for k, v in where.items()})
-    sharded = getattr(optimizer, "sharded_params", None)
-    if sharded is not None:
-        # The most bytes of whole (gathered) parameters alive at once so far, which comes on
-        # top of what is held between steps.
-        sizes["gathered_peak"] = sharded.peak_gathered_bytes
-    return sizes
+                where["cpu" if accelerator and tensor.device.type == "cpu" else "device"] += nbytes
+        places[kind] = where
+    return places
+
+
+def storage_key(tensor: torch.Tensor) -> tuple:
+    """What identifies `tensor`'s storage, shared by its views. Meta tensors (a dry run) have no
+    addresses, so there the storage object itself tells them apart."""
+    storage = tensor.untyped_storage()
+    if tensor.is_meta:
+        return (storage._cdata, tensor.device)
+    return (storage.data_ptr(), tensor.device)
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` start at the same place of the same storage (on the meta device, where
+    every address is 0, by storage and offset)."""
+    if a.is_meta or b.is_meta:
+        return storage_key(a) == storage_key(b) and a.storage_offset() == b.storage_offset()
+    return a.data_ptr() == b.data_ptr()
+
+
+@contextmanager
+def saved_activation_bytes(module: nn.Module) -> Iterator[list[int]]:
+    """Count the bytes autograd keeps for backward while the block runs (each storage once,
+    `module`'s parameters not counted): the activations of a forward pass. Yields a one-element
+    list that holds the count when the block ends. Activation checkpointing keeps less, and the
+    count shows it: only what is really saved is counted."""
+    parameters = {id(p) for p in module.parameters()}
+    seen: set[tuple] = set()
+    total = [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = storage_key(tensor)
+        nbytes = tensor.untyped_storage().nbytes()
+        if id(tensor) not in parameters and key not in seen and nbytes:
+            seen.add(key)
+            total[0] += nbytes
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total

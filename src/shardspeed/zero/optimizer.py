@@ -276,7 +276,9 @@ class ZeroOptimizer:
                 all_reduce(owned[start:end], group=tie.group)  # the copies' gradients, summed
         scale = self.loss_scaler.loss_scale
         # The one host sync of a step: whether to apply it depends on this norm.
-        scaled_norm = self._global_norm(owned).item()
+        norm = self._global_norm(owned)
+        # On the meta device (a dry run) there are no values: the step goes on as a finite one.
+        scaled_norm = 0.0 if norm.is_meta else norm.item()
         self.global_grad_norm = scaled_norm / scale
         if not math.isfinite(scaled_norm):
             if not (self.loss_scaler.dynamic or self.skip_nonfinite):

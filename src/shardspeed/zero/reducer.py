@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_reduce, all_to_all_single, reduce, reduce_scatter_tensor
+from ..comm.comm import backend_of
 from .flat import FlatLayout
 from .quantize import GRADIENT_BITS, dequantize, payload_bytes, quantize
 from .streams import CommStreams
@@ -63,7 +64,7 @@ _GLOO_SCATTERS = False
 def _scatters(group: Any) -> bool:
     """Whether a bucket whose pieces line up with the shards goes out as one reduce-scatter rather
     than one reduce per owner: the one place this choice is made, per backend."""
-    return dist.get_backend(group) != "gloo" or _GLOO_SCATTERS
+    return backend_of(group) != "gloo" or _GLOO_SCATTERS
 
 
 def _joined(chunk: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:

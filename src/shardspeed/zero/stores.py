@@ -28,6 +28,7 @@ from torch import nn
 
 from ..comm import all_gather, all_gather_into_tensor, broadcast, get_rank
 from ..config.errors import ConfigError
+from .accounting import same_memory
 from .init import full_value, is_init_sharded
 from .offload import OffloadOptions, SwappedStates
 from .partitioned import MemoryShard, ShardedParameters, Stage3Options, SwappedShard
@@ -81,7 +82,7 @@ class FlatGradients:
             if grads is None:
                 return
             grad = param.grad
-            if grad.data_ptr() != view.data_ptr():
+            if not same_memory(grad, view):
                 # Mixed precision, or someone set .grad to None: fold it into the flat buffer.
                 view.add_(grad)
                 param.grad = view if grads.alias else None
