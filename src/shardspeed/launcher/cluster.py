@@ -2,8 +2,9 @@
 
 Where pdsh and ssh start one torchrun per node, these hand the whole job to the cluster's own tool
 (``mpirun`` or ``srun``), which starts each rank; the rank runs :mod:`shardspeed.launcher.entry`,
-which reads its place from the tool's variables. :func:`rank_launch` checks the flags against what
-the tool can do, finds the tool, and builds its command line (:mod:`.mpi`, :mod:`.slurm`).
+which reads its place from the tool's variables. :func:`check_flags` refuses what the tool cannot
+do, :func:`find_tool` finds it, and :func:`rank_launch` builds its command line (:mod:`.mpi`,
+:mod:`.slurm`).
 """
 
 from __future__ import annotations
@@ -137,9 +138,9 @@ def rank_launch(
     """The command that starts every rank of `hosts` running `program` through `launcher`.
 
     `exports` are the variables every rank gets (MASTER_ADDR and MASTER_PORT among them);
-    `hostfile_path` is where a hostfile the tool reads is written; `tool` is the found program.
+    `hostfile_path` is where a hostfile the tool reads is written; `tool` is the found program
+    (:func:`find_tool`); the caller has checked the flags (:func:`check_flags`).
     """
-    check_flags(launcher, args)
     counts = {host: len(slots) for host, slots in hosts.items()}
     tasks = sum(counts.values())
     launcher_args = shlex.split(args.launcher_args)

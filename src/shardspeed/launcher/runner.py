@@ -72,6 +72,9 @@ class Launch(NamedTuple):
     env: dict[str, str]
     remote: bool
     files: Mapping[str, str] = {}  # written before it starts and removed after (an MPI hostfile)
+    # What stops it early: pdsh stops its ssh clients (and so the nodes' torchruns) only on a
+    # second SIGINT within a second; alone, SIGTERM would leave them running.
+    stop: tuple[int, ...] = (signal.SIGTERM,)
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, bool]]:
@@ -447,11 +450,12 @@ def plan_launches(
     cwd: str,
     count_local_devices: Callable[[], int] = _count_local_devices,
     which: Callable[[str], str | None] = shutil.which,
+    find_tool: Callable[[str], str] = cluster.find_tool,
 ) -> list[Launch]:
     """Resolve resources and build the processes to start; raises ValueError for bad requests.
 
-    `which` finds the multi-node launcher's program (the tests pass their own to build a command
-    without the tool).
+    `which` says whether pdsh is installed and `find_tool` finds mpirun or srun (tests pass their
+    own to build commands where the tools are not installed).
     """
     hosts = resolve_hosts(args, count_local_devices)
     launcher = launcher_name(args, which)
@@ -460,7 +464,7 @@ def plan_launches(
     if is_multi_node(args, hosts):
         if args.launcher is None:
             _log.info("multi-node launch through %s", launcher)
-        return _multi_node_launches(args, launcher, hosts, environ, cwd, which)
+        return _multi_node_launches(args, launcher, hosts, environ, cwd, find_tool)
     if args.launcher is not None or args.launcher_args:
         _log.info(
             "one node: started by torchrun here; --launcher and --launcher_args apply to "
@@ -496,7 +500,7 @@ def _multi_node_launches(
     hosts: Mapping[str, list[int]],
     environ: Mapping[str, str],
     cwd: str,
-    which: Callable[[str], str | None],
+    find_tool: Callable[[str], str],
 ) -> list[Launch]:
     """The launches of a multi-node job: a torchrun per node (ssh, pdsh), or the cluster's tool."""
     master_addr = args.master_addr or next(iter(hosts))
@@ -504,7 +508,8 @@ def _multi_node_launches(
         return _remote_launches(args, hosts, master_addr, environ, cwd)
     if launcher == "pdsh":
         return [_pdsh_launch(args, hosts, master_addr, environ, cwd)]
-    tool = cluster.find_tool(launcher, which)
+    cluster.check_flags(launcher, args)
+    tool = find_tool(launcher)
     port = str(args.master_port or DEFAULT_MASTER_PORT)
     exports = {**remote_environment(environ, cwd), "MASTER_PORT": port}
     if launcher != "slurm" or args.master_addr:
@@ -546,7 +551,8 @@ def _pdsh_launch(
     argv = pdsh.pdsh_command(
         list(hosts), shell.replace(_PDSH_NODE_RANK, pdsh.NODE_RANK), shlex.split(args.launcher_args)
     )
-    return Launch(argv, {**environ, **pdsh.pdsh_environment(environ, args.ssh_port)}, remote=True)
+    env = {**environ, **pdsh.pdsh_environment(environ, args.ssh_port)}
+    return Launch(argv, env, remote=True, stop=(signal.SIGINT, signal.SIGINT))
 
 
 def _remote_launches(
@@ -626,9 +632,11 @@ def run_launches(
         if in_main_thread:
             # A handler installed outside Python reads back as None; the default is the best restore.
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
+        for launch, process in zip(launches, processes):
+            for number, signum in enumerate(launch.stop):
+                if process.poll() is None:
+                    time.sleep(0.2 if number else 0)
+                    process.send_signal(signum)
         for process in processes:
             try:
                 process.wait(timeout=grace_s)
