@@ -601,9 +601,17 @@ RULE_TRIGGERS: dict[str, tuple[dict, RunFacts | None]] = {
         {"hybrid_engine": {"enabled": True}},
         RunFacts(pipeline_module=True),
     ),
-    "experts without tensor parallelism": (
+    "MoE layers without tensor parallelism": (
         {},
         RunFacts(moe_ep_sizes=(2, 1), tensor_parallel_size=2),
+    ),
+    "the expert_parallel section with an mpu's tensor parallelism": (
+        {"expert_parallel": {"enabled": True, "autoep_size": 2}},
+        RunFacts(tensor_parallel_size=2, autotp_size=0),
+    ),
+    "stage 3 without automatic tensor parallelism": (
+        {"zero_optimization": {"stage": 3}},
+        RunFacts(autotp_size=2),
     ),
     "experts without a pipeline": ({}, RunFacts(moe_ep_sizes=(2,), pipeline_stages=2)),
     "experts without stage 3": ({"zero_optimization": {"stage": 3}}, RunFacts(moe_ep_sizes=(2,))),

@@ -21,13 +21,21 @@ from .engine_state import require_states
 
 
 def consolidated_state_dict(engine: Any, exclude_frozen_parameters: bool = False) -> dict:
-    """The module's state dict with every parameter whole (collective at stage 3), and every
-    expert of an expert-parallel MoE layer gathered under its global index."""
+    """The module's state dict with every parameter whole (collective at stage 3; tensor-parallel
+    pieces and Hugging Face experts' runs joined), and every expert of an expert-parallel MoE
+    layer gathered under its global index."""
     require_states(engine, "consolidating the state dict")
     module = engine.module
+    topology, splits = engine.topology, engine.experts.splits
     with GatheredParameters(list(module.parameters())):  # stage 3: whole only inside, so copy
         state = {
-            name: tensor.detach().clone().contiguous()
+            name: (
+                _whole(tensor, name, topology, splits, None)
+                if isinstance(tensor, nn.Parameter)
+                else tensor.detach()
+            )
+            .clone()
+            .contiguous()
             for name, tensor in module.state_dict(keep_vars=True).items()
             if not (
                 exclude_frozen_parameters
@@ -35,9 +43,6 @@ def consolidated_state_dict(engine: Any, exclude_frozen_parameters: bool = False
                 and not tensor.requires_grad
             )
         }
-    for name, (_, _, group) in engine.experts.splits.items():  # Hugging Face fused experts
-        if name in state:
-            state[name] = whole(state[name], 0, group)
     for prefix, layer in engine.moe_layers.items():
         if layer.ep_size > 1:  # this rank holds some experts: gather them all
             stem = f"{prefix}.deepspeed_moe.experts." if prefix else "deepspeed_moe.experts."

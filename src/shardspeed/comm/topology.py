@@ -14,7 +14,10 @@ Expert parallelism splits each data-parallel group further (`Topology.expert_gro
 group, which exchanges tokens all-to-all), and the ranks at the same place in every run hold the same
 experts (the expert-data group, which averages their gradients), as DeepSpeed lays them out.
 DeepSpeed's `use_data_before_expert_parallelism` swaps the two: expert-data groups are the runs of
-consecutive ranks and expert groups stride across them.
+consecutive ranks and expert groups stride across them. The `expert_parallel` section carves them
+from every axis whose ranks hand the experts different tokens: data x sequence under sequence
+parallelism, data x tensor under AutoTP (each tensor-parallel peer dispatches a share of its
+tokens; DeepSpeed's folding), so an expert group may span tensor-parallel peers.
 
 Sequence parallelism is an axis of its own, inside data: with axes (data, sequence) and sizes
 (dp, sp), as DeepSpeed's `mesh_param=(dp, sp)` lays them out, runs of `sp` consecutive ranks split
@@ -26,6 +29,7 @@ share their batches.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import namedtuple
 from collections.abc import Callable, Sequence
@@ -319,22 +323,31 @@ class Topology:
         return group, self.get_sequence_data_parallel_rank() % size
 
     def expert_groups(
-        self, ep_size: int, data_before_expert: bool = False, over_sequence: bool = False
+        self,
+        ep_size: int,
+        data_before_expert: bool = False,
+        over_sequence: bool = False,
+        over_tensor: bool = False,
     ) -> ExpertGroups:
         """The expert and expert-data groups for `ep_size` (collective the first time for each
         size: every rank makes every group, in order). `data_before_expert`: DeepSpeed's
         `use_data_before_expert_parallelism` layout (see the module docstring).
         `over_sequence`: carved from the sequence-data group (data x sequence ranks, which hold
-        different tokens for the MLPs) instead of the data group; the same without sequence
-        parallelism."""
-        sequenced = over_sequence and self.sp_world_size > 1
-        world, rank = (
-            (self.get_sequence_data_parallel_world_size(), self.get_sequence_data_parallel_rank())
-            if sequenced
-            else (self.dp_world_size, self.dp_rank)
-        )
+        different tokens for the MLPs) instead of the data group; `over_tensor`: carved from the
+        data x tensor ranks (AutoTP's peers each take a share of their tokens for the experts,
+        DeepSpeed's folding); each the same as the data group without that axis."""
+        axes = ["data"]
+        if over_sequence and self.sp_world_size > 1:
+            axes.append("sequence")
+        if over_tensor and self.tp_world_size > 1:
+            axes.append("model")
+        world = self.dp_world_size * (self.sp_world_size if "sequence" in axes else 1)
+        world *= self.tp_world_size if "model" in axes else 1
         if ep_size < 1 or world % ep_size:
-            raise ValueError(f"ep_size {ep_size} must divide the data-parallel size {world}")
+            what = "data-parallel size" if axes == ["data"] else "ranks it spreads over"
+            raise ValueError(f"ep_size {ep_size} must divide the {what} {world}")
+        lists = self._data_lists if axes == ["data"] else functools.partial(self._axes_lists, axes)
+        rank = next(ranks.index(self.rank) for ranks in lists() if self.rank in ranks)
         replicas = world // ep_size
         # Each data-parallel group is cut into runs of consecutive ranks, and the ranks at one
         # place in every run: expert groups are the runs (ep_size long) by default, the places
@@ -345,8 +358,7 @@ class Topology:
         else:
             expert_lists, replica_lists, run_length = _runs, _strides, ep_size
             replica_rank, ep_rank = divmod(rank, ep_size)
-        key = ("experts", ep_size, data_before_expert, sequenced)
-        lists = self._sequence_data_lists if sequenced else self._data_lists
+        key = ("experts", ep_size, data_before_expert, *axes)
         ep_group = self._requested_group(
             (*key, "expert"), lambda: expert_lists(lists(), run_length)
         )
@@ -355,14 +367,15 @@ class Topology:
         )
         return ExpertGroups(ep_size, ep_rank, ep_group, replica_rank, replicas, expert_data_group)
 
-    def _sequence_data_lists(self) -> list[list[int]]:
-        """The global ranks of every sequence-data group, in its rank order."""
+    def _axes_lists(self, axes: Sequence[str]) -> list[list[int]]:
+        """The global ranks that vary along `axes` (mesh axis names) only, in rank order."""
         if self.mesh is None:
             raise ValueError(
-                "expert parallelism with sequence parallelism needs the groups laid out by "
-                "shardspeed (a config's sequence_parallel_size, or register_with_transformers)"
+                "expert parallelism with sequence or tensor parallelism needs the groups laid out "
+                "by shardspeed (a config's sequence_parallel_size or tensor_parallel.autotp_size, "
+                "or register_with_transformers), not an mpu's"
             )
-        return _varying(self.mesh, ("data", "sequence"))
+        return _varying(self.mesh, tuple(axes))
 
     def sequence_split(self, ulysses_degree: int) -> SequenceGroups:
         """The sequence group cut for hybrid sequence parallelism: runs of `ulysses_degree`

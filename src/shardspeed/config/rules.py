@@ -210,6 +210,18 @@ RULES: tuple[Rule, ...] = (
         needs=("pipeline_module",),
     ),
     Rule(
+        "stage 3 without automatic tensor parallelism",
+        "zero_optimization.stage",
+        lambda config, facts: (facts.autotp_size or 0) > 1 and _stage(config) == 3,
+        lambda config, facts: (
+            "'zero_optimization.stage' is 3, and shardspeed's ZeRO stage 3 does not combine with "
+            "automatic tensor parallelism ('tensor_parallel.autotp_size' "
+            f"{facts.autotp_size}) yet: use stage 1 or 2, which shard optimizer states (and "
+            "gradients) over each tensor-parallel rank's data-parallel peers"
+        ),
+        needs=("autotp_size",),
+    ),
+    Rule(
         "pipeline section for a PipelineModule",
         "pipeline",
         lambda config, facts: (
@@ -244,11 +256,30 @@ RULES: tuple[Rule, ...] = (
         needs=("pipeline_module",),
     ),
     Rule(
-        "experts without tensor parallelism",
+        "MoE layers without tensor parallelism",
         "tensor_parallel.autotp_size",
-        lambda config, facts: bool(_expert_sizes(config, facts)) and facts.tensor_parallel_size > 1,
-        _experts_refused("tensor parallelism ('tensor_parallel.autotp_size', or an mpu)"),
+        lambda config, facts: bool(_layer_sizes(facts)) and facts.tensor_parallel_size > 1,
+        _experts_refused(
+            "tensor parallelism ('tensor_parallel.autotp_size', or an mpu)", layers_only=True
+        ),
         needs=("moe_ep_sizes", "tensor_parallel_size"),
+    ),
+    Rule(
+        "the expert_parallel section with an mpu's tensor parallelism",
+        "expert_parallel.enabled",
+        # Folding spreads experts over AutoTP's peers, which shardspeed lays out itself.
+        lambda config, facts: (
+            config.expert_parallel.enabled
+            and facts.tensor_parallel_size > 1
+            and not (facts.autotp_size or 0) > 1
+        ),
+        lambda config, facts: (
+            "'expert_parallel.enabled': the section combines with tensor parallelism through "
+            "'tensor_parallel.autotp_size' (attention split, experts spread over the "
+            "tensor-parallel peers too), not with an mpu's tensor-parallel groups: drop the "
+            "mpu and set 'tensor_parallel.autotp_size', or disable the section"
+        ),
+        needs=("tensor_parallel_size", "autotp_size"),
     ),
     Rule(
         "experts without a pipeline",

@@ -91,10 +91,15 @@ class MoEBlock:
 
 
 def apply_expert_parallel(
-    model: nn.Module, section: Any, groups: ExpertGroups | None, grouped_mm: bool | None = None
+    model: nn.Module,
+    section: Any,
+    groups: ExpertGroups | None,
+    grouped_mm: bool | None = None,
+    token_peers: Any = None,
 ) -> list[MoEBlock]:
     """Make every MoE block of `model` expert-parallel over `groups` as the `expert_parallel`
-    `section` says; return the blocks. Nothing happens when the section is off."""
+    `section` says; return the blocks. Nothing happens when the section is off. `token_peers`:
+    the tensor-parallel group when the expert groups span it (`shard_experts`)."""
     if not section.enabled:
         return []
     config = getattr(model, "config", None)
@@ -112,7 +117,7 @@ def apply_expert_parallel(
             )
     implementation = _implementation(section.use_grouped_mm if grouped_mm is None else grouped_mm)
     for block in blocks:
-        shard_experts(block.experts, groups, implementation)
+        shard_experts(block.experts, groups, implementation, token_peers)
     if section.load_balance_coeff is not None:
         _add_routing_biases(blocks, section, preset, config)
     return blocks

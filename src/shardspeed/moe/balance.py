@@ -4,7 +4,7 @@
 Each block's router gets a per-expert bias that steers which experts are chosen, and only that:
 the gate values stay the model's unbiased ones. After every optimizer step the bias moves by
 `coeff * sign(mean load - load)` for each expert, the load being the (token, choice) pairs routed to
-it over the accumulation window, summed over the data-parallel group (one all-reduce for all
+it over the accumulation window, summed over the data x sequence-parallel ranks (one all-reduce for all
 blocks). An expert that got more than its share becomes less likely to be chosen, one below its
 share more likely.
 
@@ -98,7 +98,7 @@ class LoadBalancer(StepObserver):
         if any(w is None for w in windows):
             return  # no forward with autograd since the last step
         load = torch.stack(windows).to(torch.float32)
-        all_reduce(load, group=self.group)  # every block's load over the data-parallel group
+        all_reduce(load, group=self.group)  # every block's load over the ranks with other tokens
         step = self.coeff * torch.sign(load.mean(dim=1, keepdim=True) - load)
         with torch.no_grad():
             for bias, change in zip(self.biases, step):

@@ -16,6 +16,13 @@ place: the same Parameter objects, the same names) and makes the module dropless
 5. the reverse all-to-all brings the outputs home, where each is weighted by its gate value and
    added into its token in expert order, as the model's own loop adds them.
 
+Under AutoTP (attention tensor-parallel, experts expert-parallel: DeepSpeed's "folding") the
+expert groups span tensor-parallel peers, which hold the same tokens: each peer dispatches only
+its share of the rows (`scatter_to_row_region`, whose backward joins the shares' gradients, so
+the router and the attention before it see whole, replicated gradients), and the outputs are
+joined again after the combine (`gather_from_row_region`). Every token then reaches its experts
+once, from one peer.
+
 Routing is untouched (the block's router runs as it does without EP), so router logits, the
 auxiliary loss and shared experts come out as the model returns them. `state_dict()` gives the
 experts whole under their own names (gathered over the expert group, so every rank of it calls
@@ -37,6 +44,7 @@ from torch import nn
 
 from ..comm import ExpertGroups, all_to_all_single
 from ..tensor_parallel.layers import whole
+from ..tensor_parallel.mappings import gather_from_row_region, row_share, scatter_to_row_region
 from ..zero.init import materialize
 from .gating import imbalance
 
@@ -44,13 +52,15 @@ from .gating import imbalance
 @dataclass(frozen=True)
 class ExpertShard:
     """An experts module's place in its expert group: `local` of `experts` experts, from
-    `first`, on rank `groups.ep_rank` of `groups.ep_size`."""
+    `first`, on rank `groups.ep_rank` of `groups.ep_size`. `token_peers`: the ranks that hold
+    the same tokens (tensor-parallel peers) and share the block's rows out among them, or None."""
 
     experts: int
     local: int
     first: int
     groups: ExpertGroups
     family_forward: Any  # the experts class's own forward (unbound)
+    token_peers: Any = None
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -81,14 +91,38 @@ class ExpertParallel:
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         shard = self.expert_shard
-        flat = top_k_index.reshape(-1)
-        counts = torch.bincount(flat, minlength=shard.experts)
+        counts = torch.bincount(top_k_index.reshape(-1), minlength=shard.experts)
         self.last_counts = counts.detach()  # the routing this rank asked for (`expert_load`)
         if torch.is_grad_enabled():  # a training forward: its load counts for balancing
             window = getattr(self, "window_counts", None)
             self.window_counts = self.last_counts if window is None else window + counts
         if shard.groups.ep_size == 1:
             return shard.family_forward(self, hidden_states, top_k_index, top_k_weights)
+        peers = shard.token_peers
+        if peers is None:
+            return self._dispatch(hidden_states, top_k_index, top_k_weights, counts)
+        # Tensor-parallel peers hold the same tokens: each sends its share of the rows, and
+        # the outputs are joined again for the replicated work after the block.
+        total = hidden_states.shape[0]
+        index = top_k_index[row_share(total, peers)]
+        out = self._dispatch(
+            scatter_to_row_region(hidden_states, peers),
+            index,
+            scatter_to_row_region(top_k_weights, peers),
+            torch.bincount(index.reshape(-1), minlength=shard.experts),
+        )
+        return gather_from_row_region(out, total, peers)
+
+    def _dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> torch.Tensor:
+        """The rows to their experts' ranks and back (steps 1-5 of the module docstring)."""
+        shard = self.expert_shard
+        flat = top_k_index.reshape(-1)
         choices = top_k_index.shape[-1]
         order = torch.argsort(flat, stable=True)
         token = order // choices  # pair p is token p // k's choice p % k
@@ -134,11 +168,18 @@ def expert_tensors(experts: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return list(experts.named_parameters(recurse=False))
 
 
-def shard_experts(experts: nn.Module, groups: ExpertGroups, implementation: str | None) -> None:
+def shard_experts(
+    experts: nn.Module,
+    groups: ExpertGroups,
+    implementation: str | None,
+    token_peers: Any = None,
+) -> None:
     """Make `experts` (a transformers experts module of E experts) expert-parallel over `groups`:
     keep this rank's E / ep_size experts of each tensor, in place, and dispatch as the module
     docstring says. `implementation`: transformers' experts implementation for the local experts
-    ("grouped_mm", "eager"), or None to keep the model's."""
+    ("grouped_mm", "eager"), or None to keep the model's. `token_peers`: the group of ranks
+    holding the same tokens (tensor-parallel peers, whose expert groups span them), which each
+    dispatch only their share of the rows."""
     tensors = expert_tensors(experts)
     materialize([p for _, p in tensors])  # built under zero.Init: whole again, then sliced
     count = tensors[0][1].shape[0]
@@ -154,7 +195,7 @@ def shard_experts(experts: nn.Module, groups: ExpertGroups, implementation: str 
     if implementation is not None and hasattr(experts, "config"):
         experts.config = copy.copy(experts.config)  # this module's own choice, not the model's
         experts.config._experts_implementation = implementation
-    experts.expert_shard = ExpertShard(count, local, first, groups, cls.forward)
+    experts.expert_shard = ExpertShard(count, local, first, groups, cls.forward, token_peers)
     experts.__class__ = _expert_parallel_class(cls)
     if groups.ep_size > 1:
         experts.register_state_dict_post_hook(_whole_experts)

@@ -109,18 +109,23 @@ def _expert_parallel(model: nn.Module, config: ShardSpeedConfig, topology: Any) 
     section = config.expert_parallel
     if not section.enabled:
         return
-    try:
-        # Sequence ranks hold different tokens for the MLPs: experts spread over them too.
-        groups = topology.expert_groups(
-            section.autoep_size, config.use_data_before_expert_parallelism, over_sequence=True
-        )
-    except ValueError:
-        ranks = topology.get_sequence_data_parallel_world_size()
+    folded = topology.tp_world_size > 1  # AutoTP: experts spread over the tensor peers too
+    # Sequence ranks hold different tokens for the MLPs, and tensor-parallel peers each take a
+    # share of theirs: experts spread over both.
+    ranks = topology.get_sequence_data_parallel_world_size() * topology.tp_world_size
+    if ranks % section.autoep_size:
+        what = "data-parallel" + (" x tensor-parallel" if folded else "")
         raise ConfigError(
             f"'expert_parallel.autoep_size' is {section.autoep_size}, which does not divide "
-            f"the {ranks} data-parallel ranks: use a divisor of it"
-        ) from None
-    apply_expert_parallel(model, section, groups)
+            f"the {ranks} {what} ranks experts spread over: use a divisor of it"
+        )
+    groups = topology.expert_groups(
+        section.autoep_size,
+        config.use_data_before_expert_parallelism,
+        over_sequence=True,
+        over_tensor=folded,
+    )
+    apply_expert_parallel(model, section, groups, token_peers=topology.tp_group if folded else None)
 
 
 def _configure(

@@ -296,8 +296,10 @@ class ShardSpeedEngine(nn.Module):
         sequence-parallel ones whose gradients are partial), and the group over which gradients
         together make the model's norm."""
         topo = self.topology
+        # Experts spread over tensor-parallel peers too (folding) differ between them.
+        spread = {p for part in self.experts.parameters for p in part.params}
         ties = replica_ties(
-            self.module.parameters(),
+            (p for p in self.module.parameters() if p not in spread),
             self._stage_ties(),
             topo.tp_group,
             topo.tp_rank,
@@ -639,12 +641,17 @@ class ShardSpeedEngine(nn.Module):
         """Per MoE layer or Hugging Face MoE block's experts (by module name), its last forward's
         routing: tokens asked of each of its experts (`exp_counts`), tokens each got
         (`tokens_per_expert`), tokens dropped, and the imbalance (busiest expert's tokens over
-        the mean). This rank's tokens, or with `over_data_parallel` summed over the
-        data-parallel group (collective)."""
+        the mean). This rank's tokens, or with `over_data_parallel` summed over the ranks
+        holding different tokens, data x sequence parallel (collective)."""
         routed = self.experts.routed
         if not over_data_parallel:
             return expert_load(routed)
-        return expert_load(routed, self.topology.dp_group, self.dp_world_size)
+        topology = self.topology
+        return expert_load(
+            routed,
+            topology.get_sequence_data_parallel_group(),
+            topology.get_sequence_data_parallel_world_size(),
+        )
 
 
 def _client_optimizer(
@@ -715,7 +722,10 @@ def _observers(engine: ShardSpeedEngine) -> list[StepObserver]:
     if balanced:  # the expert_parallel section's load_balance_coeff
         coeff = config.expert_parallel.load_balance_coeff
         biases = [m.routing_bias for m in balanced]
-        observers.append(LoadBalancer(biases, balanced, coeff, engine.topology.dp_group))
+        # Sequence ranks route different tokens: the load is theirs together, so every rank
+        # moves its bias alike.
+        group = engine.topology.get_sequence_data_parallel_group()
+        observers.append(LoadBalancer(biases, balanced, coeff, group))
     # Monitors write on rank 0; `enabled` is the same on every rank, so what it gates may
     # include collectives.
     monitor = MonitorMaster(config.tensorboard, config.csv_monitor, config.wandb, rank)

@@ -61,7 +61,7 @@ _ALIASES = {"qwen2": "llama"}  # DeepSpeed's preset_model names
 # Modules whose forward feeds its first input (hidden_states) to every column layer it holds.
 _SHARED_INPUT = frozenset(
     f"{family}{part}"
-    for family in ("GPT2", "Llama", "Mistral", "Qwen2")
+    for family in ("GPT2", "Llama", "Mistral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Mixtral")
     for part in ("Attention", "MLP")
 ) | {"BertSelfAttention", "BertIntermediate", "RobertaSelfAttention", "RobertaIntermediate"}
 _HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "n_heads")
@@ -92,8 +92,9 @@ def auto_tensor_parallel(
     for name, kind in plan.items():
         if kind == "column":
             columns.setdefault(_parent_name(name), []).append(name)
-    for parent, names in columns.items():
-        _check_heads(model, parent, names, size)
+    per_head = [
+        p for parent, names in columns.items() for p in _check_heads(model, parent, names, size)
+    ]
     shared = {parent for parent in columns if _feeds_all_columns(model.get_submodule(parent))}
     layers = {}
     for name, kind in plan.items():
@@ -119,6 +120,10 @@ def auto_tensor_parallel(
         setattr(model.get_submodule(parent), child, layer)
     for parent in columns:
         _shrink(model.get_submodule(parent), size)
+    for param in per_head:
+        # Whole on every rank, its gradient covering this rank's heads only: summed over the
+        # group before the step, as Megatron's mark for such weights says.
+        param.sequence_parallel = True
     for parent in shared:
         hook = functools.partial(_enter_region, group=group, sequence_parallel=sequence_parallel)
         model.get_submodule(parent).register_forward_pre_hook(hook, with_kwargs=True)
@@ -227,10 +232,12 @@ def _head_dim(module: nn.Module) -> int | None:
     return next((v for a in _HEAD_DIMS if isinstance(v := getattr(module, a, None), int)), None)
 
 
-def _check_heads(model: nn.Module, parent_name: str, columns: list[str], size: int) -> None:
+def _check_heads(
+    model: nn.Module, parent_name: str, columns: list[str], size: int
+) -> list[nn.Parameter]:
     """Heads are split whole: each rank's slice of each of q, k, v must be whole heads, and an
-    attention module must hold nothing else with parameters (a per-head norm would see only this
-    rank's heads)."""
+    attention module's other parameters must act on each head alike. Returns those (their
+    gradients are partial: each rank's covers its heads)."""
     parent = model.get_submodule(parent_name)
     head_dim = _head_dim(parent)
     for name in columns:
@@ -249,17 +256,24 @@ def _check_heads(model: nn.Module, parent_name: str, columns: list[str], size: i
                 f"{parent_name}.{attr} = {count} heads do not split over {size} tensor-parallel "
                 "ranks (the head count must divide by the group size)"
             )
-    if head_dim:
-        others = [
-            n
-            for n, _ in parent.named_parameters()
-            if not _linear_like(parent.get_submodule(_parent_name(n)))
-        ]
-        if others:
-            raise ValueError(
-                f"{parent_name} holds parameters besides its linears ({', '.join(others)}) that "
-                "would see only this rank's heads: such attention modules are not supported"
-            )
+    if not head_dim:
+        return []
+    others = {
+        n: p
+        for n, p in parent.named_parameters()
+        if not _linear_like(parent.get_submodule(_parent_name(n)))
+    }
+    # A norm applied to each head alike (Qwen3's q_norm/k_norm, of head_dim weights) works on
+    # this rank's heads as on all; one over the whole width (OLMoE's), or one value per head
+    # (GPT-OSS's sinks), would need every head.
+    across = [n for n, p in others.items() if p.dim() != 1 or p.numel() != head_dim]
+    if across:
+        raise ValueError(
+            f"{parent_name} holds parameters besides its linears ({', '.join(across)}) that "
+            "span its heads and would see only this rank's: such attention modules are not "
+            "supported"
+        )
+    return list(others.values())
 
 
 def _feeds_all_columns(module: nn.Module) -> bool:

@@ -11,6 +11,11 @@ Two kinds of split:
   features, that is the sequence of Hugging Face's [batch, seq, hidden] activations. Only
   position-wise work (norms, dropout, residual adds) runs on these shards.
 
+And the rows region: the tokens of a flattened [tokens, features] activation that every rank
+holds alike, shared out unevenly where they do not divide (`scatter_to_row_region` /
+`gather_from_row_region`), so each rank does its share of work that is per token, such as
+experts, without the sizes dividing.
+
 Every function takes the tensor-parallel `group` and is the identity when the group has one rank.
 """
 
@@ -66,6 +71,28 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) 
     out = moved.new_empty((moved.shape[0] // parts, *moved.shape[1:]))
     reduce_scatter_tensor(out, moved, group=group)
     return out.movedim(0, dim)
+
+
+def _row_share(total: int, parts: int, here: int) -> tuple[int, int]:
+    """Rank `here`'s first row and row count of `total` rows shared out over `parts` ranks as
+    `torch.tensor_split` does (the first `total % parts` ranks take one more)."""
+    size, extra = divmod(total, parts)
+    return here * size + min(here, extra), size + (here < extra)
+
+
+def _gather_rows(x: torch.Tensor, total: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's share of `total` rows (dim 0), joined in rank order: each share padded to
+    the largest for the flat collective, then trimmed."""
+    parts = world_size(group)
+    longest = -(-total // parts)
+    if x.shape[0] < longest:
+        x = torch.cat([x, x.new_zeros((longest - x.shape[0], *x.shape[1:]))])
+    out = x.new_empty((parts * longest, *x.shape[1:]))
+    all_gather_into_tensor(out, x.contiguous(), group=group)
+    if total % parts == 0:
+        return out
+    counts = [_row_share(total, parts, r)[1] for r in range(parts)]
+    return torch.cat([out[r * longest : r * longest + n] for r, n in enumerate(counts)])
 
 
 def _sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -180,6 +207,37 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return _gather(grad, SEQUENCE_DIM, ctx.group), None
 
 
+# -- the rows region (dim 0, uneven) ------------------------------------------------------------
+
+
+class _ScatterToRowRegion(torch.autograd.Function):
+    """Forward: this rank's share of the rows. Backward: the shares' gradients joined (whole
+    on every rank, as the replicated input needs)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group, ctx.total = group, x.shape[0]
+        return x[row_share(x.shape[0], group)]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_rows(grad, ctx.total, ctx.group), None
+
+
+class _GatherFromRowRegion(torch.autograd.Function):
+    """Forward: all `total` rows. Backward: the result fed replicated work, so the gradient is
+    whole everywhere: keep this rank's share."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, total: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return _gather_rows(x, total, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad[row_share(grad.shape[0], ctx.group)], None, None
+
+
 # -- the public functions -----------------------------------------------------------------------
 
 
@@ -226,6 +284,26 @@ def reduce_scatter_to_sequence_region(
     """Reduce-scatter the tokens (dim -2) forward, all-gather backward: the output of
     row-parallel layers under sequence parallelism."""
     return x if world_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
+
+
+def scatter_to_row_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Keep this rank's share of the rows (dim 0; shares differ by at most one row) forward,
+    all-gather backward."""
+    return x if world_size(group) == 1 else _ScatterToRowRegion.apply(x, group)
+
+
+def row_share(total: int, group: dist.ProcessGroup | None) -> slice:
+    """The rows of `total` that `scatter_to_row_region` keeps on this rank."""
+    first, count = _row_share(total, world_size(group), rank(group))
+    return slice(first, first + count)
+
+
+def gather_from_row_region(
+    x: torch.Tensor, total: int, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """All-gather every rank's share of `total` rows forward (for replicated work after it),
+    keep this rank's share backward."""
+    return x if world_size(group) == 1 else _GatherFromRowRegion.apply(x, total, group)
 
 
 def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
