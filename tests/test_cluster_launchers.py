@@ -215,7 +215,8 @@ def test_impi_and_mvapich_command_lines(tmp_path: Path) -> None:
     program = ["python", "t.py"]
     assert mpi.impi_command(hosts, {"K": "v"}, program, ["-l"]) == [
         "mpirun", "-ppn", "1", "-l", "-genv", "K", "v", "-genv", "WORLD_SIZE", "2",
-        "-genv", "LOCAL_SIZE", "1", "-genv", "I_MPI_PIN", "0", "-hosts", "node-a,node-b",
+        "-genv", "LOCAL_SIZE", "1", "-genv", "I_MPI_PIN", "0", "-genv", "LOCAL_WORLD_SIZE", "1",
+        "-hosts", "node-a,node-b",
         "-n", "1", "-env", "RANK", "0", "-env", "LOCAL_RANK", "0", "python", "t.py", ":",
         "-n", "1", "-env", "RANK", "1", "-env", "LOCAL_RANK", "0", "python", "t.py",
     ]  # fmt: skip

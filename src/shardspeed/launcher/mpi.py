@@ -1,8 +1,8 @@
 """``--launcher openmpi|mpich|impi|mvapich``: one ``mpirun`` that starts every rank of the job.
 
-The command lines are DeepSpeed's for each MPI, with two corrections for MPICH's Hydra process
-manager (which MPICH, Intel MPI and MVAPICH2 share): a variable is passed as ``-genv NAME VALUE`` /
-``-env NAME VALUE``, the two words Hydra reads, where DeepSpeed writes one ``NAME=VALUE`` word.
+The command lines are DeepSpeed's for each MPI. Variables go to Hydra (the process manager MPICH,
+Intel MPI and MVAPICH2 share) as ``-genv NAME VALUE`` / ``-env NAME VALUE`` throughout, where
+DeepSpeed mixes in one-word ``NAME=VALUE``, which Hydra reads as well.
 Each rank runs the script through :mod:`shardspeed.launcher.entry`, which reads its place from the
 MPI's variables (:mod:`shardspeed.comm.discovery`); the launcher exports MASTER_ADDR and
 MASTER_PORT with the others, which is how the ranks find each other without mpi4py.
@@ -99,6 +99,9 @@ def impi_command(
     per_node = _processes_per_node(hosts, "impi")
     tasks = per_node * len(hosts)
     shared = {**exports, "WORLD_SIZE": str(tasks), "LOCAL_SIZE": str(per_node), "I_MPI_PIN": "0"}
+    # RANK and WORLD_SIZE given, the entry reads no MPI variables: torchrun's name for LOCAL_SIZE
+    # too, for --bind_cores_to_rank.
+    shared["LOCAL_WORLD_SIZE"] = str(per_node)
     command = ["mpirun", "-ppn", str(per_node), *launcher_args, *_pairs("-genv", shared)]
     command += ["-hosts", ",".join(hosts)]
     for rank in range(tasks):
