@@ -661,7 +661,13 @@ class ExpertParallelConfig(StrictModel):
     experts as grouped matmuls (transformers' implementation) instead of a loop over experts.
     `disable_triton_grouped_mm`: shardspeed has no Triton kernels, so either value holds.
     `load_balance_coeff`: auxiliary-loss-free balancing, a routing bias that steers the choice of
-    experts (never the gate values), moved by this much per step towards an even load."""
+    experts (never the gate values), moved by this much per step towards an even load.
+    `hot_expert_replicas` (shardspeed's; DeepSpeed has none): each block's R most loaded experts
+    of the last step are copied to every rank of their expert group for the next one, where the
+    tokens routed to them are computed; their gradients are summed back to the expert's own rank
+    (weights, optimizer states and checkpoints stay where they are). `validate_folding_routing`:
+    under AutoTP, check at every forward that tensor-parallel peers routed their (identical)
+    tokens alike (a debug check with a host sync)."""
 
     enabled: bool = False
     autoep_size: PositiveInt = 1
@@ -695,6 +701,7 @@ class ExpertParallelConfig(StrictModel):
     score_func: Literal["auto", "softmax", "sigmoid"] = "auto"
     top_k: PositiveInt | Literal["auto"] = "auto"
     load_balance_coeff: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    hot_expert_replicas: NonNegativeInt = 0
     routed_scaling_factor: float | Literal["auto"] = "auto"
     expert_w1: str | None = None
     expert_w2: str | None = None
@@ -708,7 +715,6 @@ class ExpertParallelConfig(StrictModel):
     not_supported_until: ClassVar[dict[str, str]] = {
         "expert_tensor_parallel_size": "experts run whole on their rank (no expert tensor "
         "parallelism)",
-        "validate_folding_routing": "expert parallelism does not fold with tensor parallelism",
     }
 
     @model_validator(mode="after")

@@ -115,9 +115,28 @@ def apply_expert_parallel(
                 f"'{_KEY}.autoep_size' is {size}, which does not divide the {block.count} "
                 f"experts of '{block.name}': use one of {divisors}"
             )
+    replicas = section.hot_expert_replicas
+    if replicas and size == 1:
+        raise ConfigError(
+            f"'{_KEY}.hot_expert_replicas' is {replicas}, but at 'autoep_size' 1 every rank "
+            "holds every expert: there is nothing to copy; remove the key or raise autoep_size"
+        )
+    fewest = min(block.count for block in blocks)
+    if replicas >= fewest:
+        raise ConfigError(
+            f"'{_KEY}.hot_expert_replicas' is {replicas}; the blocks have {fewest} experts, so "
+            f"it must be below {fewest} (copying every expert would leave nothing to exchange)"
+        )
+    if section.validate_folding_routing and token_peers is None:
+        raise ConfigError(
+            f"'{_KEY}.validate_folding_routing' checks that tensor-parallel peers route alike, "
+            "and this run has no AutoTP ('tensor_parallel.autotp_size' > 1): remove the key"
+        )
     implementation = _implementation(section.use_grouped_mm if grouped_mm is None else grouped_mm)
     for block in blocks:
-        shard_experts(block.experts, groups, implementation, token_peers)
+        shard_experts(
+            block.experts, groups, implementation, token_peers, section.validate_folding_routing
+        )
     if section.load_balance_coeff is not None:
         _add_routing_biases(blocks, section, preset, config)
     return blocks

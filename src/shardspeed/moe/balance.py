@@ -84,13 +84,22 @@ def routing_bias(router: nn.Module, kind: str, normalise: bool) -> torch.Tensor:
 
 
 class LoadBalancer(StepObserver):
-    """Moves each block's routing bias after every optimizer step by `coeff` towards an even
-    load (see the module docstring); `experts[i]` counts the pairs routed by block i."""
+    """After every optimizer step, from the load of the step's training forwards summed over
+    `group` (the ranks holding different tokens): moves each block's routing bias by `coeff`
+    towards an even load (see the module docstring), and names each block's `replicas` most
+    loaded experts its `hot_experts` for the next step (`expert_parallel.py`). `experts[i]`
+    counts the pairs routed by block i; `biases[i]` is its bias when `coeff` is set."""
 
     def __init__(
-        self, biases: list[torch.Tensor], experts: list[nn.Module], coeff: float, group: Any
+        self,
+        experts: list[nn.Module],
+        group: Any,
+        coeff: float | None = None,
+        biases: list[torch.Tensor] = (),
+        replicas: int = 0,
     ) -> None:
-        self.biases, self.experts, self.coeff, self.group = biases, experts, coeff, group
+        self.experts, self.group, self.coeff = experts, group, coeff
+        self.biases, self.replicas = list(biases), replicas
 
     def after_step(self, engine: Any) -> None:
         del engine
@@ -99,7 +108,13 @@ class LoadBalancer(StepObserver):
             return  # no forward with autograd since the last step
         load = torch.stack(windows).to(torch.float32)
         all_reduce(load, group=self.group)  # every block's load over the ranks with other tokens
-        step = self.coeff * torch.sign(load.mean(dim=1, keepdim=True) - load)
-        with torch.no_grad():
-            for bias, change in zip(self.biases, step):
-                bias.add_(change.to(bias.device, bias.dtype))
+        if self.coeff is not None:
+            step = self.coeff * torch.sign(load.mean(dim=1, keepdim=True) - load)
+            with torch.no_grad():
+                for bias, change in zip(self.biases, step):
+                    bias.add_(change.to(bias.device, bias.dtype))
+        if self.replicas:
+            # The same on every rank (the load is summed): ties fall to the lower index.
+            hot = torch.sort(torch.topk(load, self.replicas, dim=1, sorted=True).indices).values
+            for experts, chosen in zip(self.experts, hot):
+                experts.hot_experts = chosen

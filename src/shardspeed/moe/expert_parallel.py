@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import ExpertGroups, all_to_all_single
+from ..comm import ExpertGroups, ReduceOp, all_reduce, all_to_all_single
 from ..tensor_parallel.layers import whole
 from ..tensor_parallel.mappings import gather_from_row_region, row_share, scatter_to_row_region
 from ..zero.init import materialize
@@ -61,6 +61,7 @@ class ExpertShard:
     groups: ExpertGroups
     family_forward: Any  # the experts class's own forward (unbound)
     token_peers: Any = None
+    check_peers: bool = False  # check the peers' routing agrees (validate_folding_routing)
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -103,6 +104,8 @@ class ExpertParallel:
             return self._dispatch(hidden_states, top_k_index, top_k_weights, counts)
         # Tensor-parallel peers hold the same tokens: each sends its share of the rows, and
         # the outputs are joined again for the replicated work after the block.
+        if shard.check_peers:
+            _check_same_routing(top_k_index, top_k_weights, peers)
         total = hidden_states.shape[0]
         index = top_k_index[row_share(total, peers)]
         out = self._dispatch(
@@ -120,24 +123,48 @@ class ExpertParallel:
         top_k_weights: torch.Tensor,
         counts: torch.Tensor,
     ) -> torch.Tensor:
-        """The rows to their experts' ranks and back (steps 1-5 of the module docstring)."""
+        """The rows to their experts' ranks and back (steps 1-5 of the module docstring); rows
+        of hot experts (`hot_experts`, copied here for the step) stay and run here."""
         shard = self.expert_shard
         flat = top_k_index.reshape(-1)
         choices = top_k_index.shape[-1]
-        order = torch.argsort(flat, stable=True)
-        token = order // choices  # pair p is token p // k's choice p % k
         size, local = shard.groups.ep_size, shard.local
         group = shard.groups.ep_group
+        hot = getattr(self, "hot_experts", None)
+        copies: dict[str, torch.Tensor] = {}
+        if hot is not None:
+            # Hot experts sort after every other, by their place in `hot`: the rows sent away
+            # come first, this rank's hot rows last.
+            slot = torch.full((shard.experts,), -1, dtype=torch.long, device=flat.device)
+            slot[hot] = torch.arange(hot.numel(), device=flat.device)
+            key = torch.where(slot[flat] >= 0, shard.experts + slot[flat], flat)
+            every = torch.bincount(key, minlength=shard.experts + hot.numel())
+            counts, hot_counts = every[: shard.experts], every[shard.experts :]
+            copies = _hot_copies(self, hot, group)
+        else:
+            key = flat
+        order = torch.argsort(key, stable=True)
+        token = order // choices  # pair p is token p // k's choice p % k
         received = torch.empty_like(counts)
         all_to_all_single(received, counts, group=group)  # [source rank, local expert]
         sizes = torch.stack([counts.view(size, local).sum(1), received.view(size, local).sum(1)])
         send, receive = sizes.tolist()
-        rows = _AllToAllRows.apply(group, hidden_states.index_select(0, token), send, receive)
-        local_expert = torch.arange(local, device=rows.device).repeat(size)
+        rows = hidden_states.index_select(0, token)
+        sent = sum(send)
+        rows = _AllToAllRows.apply(group, rows[:sent], send, receive), rows[sent:]
+        local_expert = torch.arange(local, device=flat.device).repeat(size)
         local_expert = local_expert.repeat_interleave(received)
-        ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-        out = shard.family_forward(self, rows, local_expert.unsqueeze(1), ones)
-        back = _AllToAllRows.apply(group, out, receive, send)
+        if copies:  # the hot rows run as experts local, local + 1, ... after this rank's own
+            hot_expert = local + torch.arange(hot.numel(), device=flat.device)
+            local_expert = torch.cat([local_expert, hot_expert.repeat_interleave(hot_counts)])
+        computed = torch.cat(rows) if copies else rows[0]
+        self.last_rows = computed.new_tensor(computed.shape[0], dtype=torch.long)
+        ones = torch.ones(computed.shape[0], 1, dtype=top_k_weights.dtype, device=flat.device)
+        module = _with_experts(self, copies) if copies else self
+        out = shard.family_forward(module, computed, local_expert.unsqueeze(1), ones)
+        back = _AllToAllRows.apply(group, out[: rows[0].shape[0]], receive, send)
+        if copies:
+            back = torch.cat([back, out[rows[0].shape[0] :]])
         weighted = back * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(1)
         combined = torch.zeros_like(hidden_states)
         return combined.index_add_(0, token, weighted.to(combined.dtype))
@@ -151,16 +178,79 @@ class ExpertParallel:
 
     def expert_load(self) -> dict[str, Any]:
         """The last forward's routing on this rank, as `MoE.expert_load` reports it (nothing is
-        dropped): tensors stay on the device; only `imbalance` syncs."""
+        dropped), and the rows this rank computed (`rows_computed`: what it received, with its
+        hot experts' rows): tensors stay on the device; only `imbalance` syncs."""
         counts = getattr(self, "last_counts", None)
         if counts is None:
             return {}
-        return {
+        load = {
             "exp_counts": counts,
             "tokens_per_expert": counts,
             "dropped": counts.new_zeros(()),
             "imbalance": imbalance(counts),
         }
+        if hasattr(self, "last_rows"):  # rows this rank's experts (and hot copies) computed
+            load["rows_computed"] = self.last_rows
+        return load
+
+
+def _check_same_routing(index: torch.Tensor, weights: torch.Tensor, peers: Any) -> None:
+    """Raise unless every tensor-parallel peer chose the same experts with the same weights."""
+    mine = torch.cat([index.reshape(-1).to(torch.float64), weights.detach().reshape(-1).double()])
+    low, high = mine.clone(), mine.clone()
+    all_reduce(low, op=ReduceOp.MIN, group=peers)
+    all_reduce(high, op=ReduceOp.MAX, group=peers)
+    if not torch.equal(low, high):
+        raise RuntimeError(
+            "'expert_parallel.validate_folding_routing': tensor-parallel peers routed their "
+            "tokens differently (they hold the same tokens and must agree): check that the peers "
+            "get the same batch and that nothing random (router jitter, dropout before the "
+            "router) differs between them"
+        )
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Every rank's tensor summed, on every rank; each rank's result feeds its own work, so
+    the gradient of each part is the sum of every rank's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = x.contiguous().clone()
+        all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        grad = grad.contiguous().clone()
+        all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _hot_copies(module: nn.Module, hot: torch.Tensor, group: Any) -> dict[str, torch.Tensor]:
+    """Each expert tensor's rows for the `hot` experts, on every rank of the expert group: the
+    rank holding each writes it and one all-reduce per tensor shares them (its backward sums the
+    copies' gradients back into the holder's rows)."""
+    shard: ExpertShard = module.expert_shard
+    here = (hot >= shard.first) & (hot < shard.first + shard.local)
+    rows = (hot - shard.first).clamp(0, shard.local - 1)
+    copies = {}
+    for name, param in expert_tensors(module):
+        mask = here.to(param.dtype).view(-1, *([1] * (param.dim() - 1)))
+        copies[name] = _SumOverGroup.apply(param.index_select(0, rows) * mask, group)
+    return copies
+
+
+def _with_experts(module: nn.Module, copies: dict[str, torch.Tensor]) -> nn.Module:
+    """A shallow stand-in for `module` whose expert tensors are its own followed by `copies`,
+    for the family's expert code to run both at once."""
+    proxy = copy.copy(module)
+    tensors = dict(expert_tensors(module))
+    proxy.__dict__["_parameters"] = {
+        name: torch.cat([tensors[name], copies[name]]) for name in tensors
+    }
+    proxy.num_experts = module.num_experts + next(iter(copies.values())).shape[0]
+    return proxy
 
 
 def expert_tensors(experts: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -173,13 +263,15 @@ def shard_experts(
     groups: ExpertGroups,
     implementation: str | None,
     token_peers: Any = None,
+    check_peers: bool = False,
 ) -> None:
     """Make `experts` (a transformers experts module of E experts) expert-parallel over `groups`:
     keep this rank's E / ep_size experts of each tensor, in place, and dispatch as the module
     docstring says. `implementation`: transformers' experts implementation for the local experts
     ("grouped_mm", "eager"), or None to keep the model's. `token_peers`: the group of ranks
     holding the same tokens (tensor-parallel peers, whose expert groups span them), which each
-    dispatch only their share of the rows."""
+    dispatch only their share of the rows; `check_peers`: check at each forward that they routed
+    alike."""
     tensors = expert_tensors(experts)
     materialize([p for _, p in tensors])  # built under zero.Init: whole again, then sliced
     count = tensors[0][1].shape[0]
@@ -195,7 +287,9 @@ def shard_experts(
     if implementation is not None and hasattr(experts, "config"):
         experts.config = copy.copy(experts.config)  # this module's own choice, not the model's
         experts.config._experts_implementation = implementation
-    experts.expert_shard = ExpertShard(count, local, first, groups, cls.forward, token_peers)
+    experts.expert_shard = ExpertShard(
+        count, local, first, groups, cls.forward, token_peers, check_peers
+    )
     experts.__class__ = _expert_parallel_class(cls)
     if groups.ep_size > 1:
         experts.register_state_dict_post_hook(_whole_experts)

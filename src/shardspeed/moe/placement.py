@@ -161,6 +161,7 @@ def expert_load(layers: dict[str, Any], group: Any = None, world: int = 1) -> di
                 "tokens_per_expert": counts[1],
                 "dropped": counts[2, 0],
                 "imbalance": imbalance(counts[1]),
+                **({"rows_computed": load["rows_computed"]} if "rows_computed" in load else {}),
             }
         report[name] = load
     return report

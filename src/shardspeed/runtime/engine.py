@@ -35,6 +35,7 @@ from ..config import (
 )
 from ..config.errors import ConfigError
 from ..moe.balance import LoadBalancer
+from ..moe.expert_parallel import ExpertParallel
 from ..moe.placement import expert_load, place_experts
 from ..monitor import MonitorMaster, NullRecorder, TraceRecorder, merge_gathered
 from ..monitor.step import (
@@ -718,14 +719,21 @@ def _observers(engine: ShardSpeedEngine) -> list[StepObserver]:
     if engine.flops_profiler is not None:
         observers.append(ProfiledStep(engine.flops_profiler, config.flops_profiler))
     observers.append(StepReport(config, engine.clock))
-    balanced = [m for m in engine.experts.routed.values() if hasattr(m, "routing_bias")]
-    if balanced:  # the expert_parallel section's load_balance_coeff
-        coeff = config.expert_parallel.load_balance_coeff
-        biases = [m.routing_bias for m in balanced]
+    section = config.expert_parallel
+    if section.enabled and (section.load_balance_coeff or section.hot_expert_replicas):
+        blocks = [m for m in engine.experts.routed.values() if isinstance(m, ExpertParallel)]
         # Sequence ranks route different tokens: the load is theirs together, so every rank
-        # moves its bias alike.
+        # moves its bias and picks its hot experts alike.
         group = engine.topology.get_sequence_data_parallel_group()
-        observers.append(LoadBalancer(biases, balanced, coeff, group))
+        observers.append(
+            LoadBalancer(
+                blocks,
+                group,
+                section.load_balance_coeff,
+                [m.routing_bias for m in blocks if hasattr(m, "routing_bias")],
+                section.hot_expert_replicas,
+            )
+        )
     # Monitors write on rank 0; `enabled` is the same on every rank, so what it gates may
     # include collectives.
     monitor = MonitorMaster(config.tensorboard, config.csv_monitor, config.wandb, rank)
