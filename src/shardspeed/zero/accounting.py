@@ -75,6 +75,27 @@ def storage_key(tensor: torch.Tensor) -> tuple:
     return (storage.data_ptr(), tensor.device)
 
 
+# Autograd nodes of views: a tensor reached from a leaf through these alone is that leaf's memory.
+_VIEW_NODES = frozenset(
+    f"{name}Backward0"
+    for name in ("T", "View", "UnsafeView", "Transpose", "Permute", "Expand", "Alias", "AsStrided",
+                 "Slice", "Select", "Unsqueeze", "Squeeze", "Reshape")
+)  # fmt: skip
+
+
+def _viewed_leaf(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a leaf that requires grad (a parameter) or a view of one."""
+    node = tensor.grad_fn
+    if node is None:
+        return tensor.requires_grad
+    while type(node).__name__ in _VIEW_NODES:
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return type(node).__name__ == "AccumulateGrad"
+
+
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and `b` start at the same place of the same storage (on the meta device, where
     every address is 0, by storage and offset)."""
@@ -86,7 +107,9 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 @contextmanager
 def saved_activation_bytes(module: nn.Module) -> Iterator[list[int]]:
     """Count the bytes autograd keeps for backward while the block runs (each storage once,
-    `module`'s parameters not counted): the activations of a forward pass. Yields a one-element
+    `module`'s parameters and views of them not counted, such as the transposed weight a linear
+    layer keeps, whether it lives in a flat buffer or is gathered by ZeRO-3): the activations of a
+    forward pass. Yields a one-element
     list that holds the count when the block ends. Activation checkpointing keeps less, and the
     count shows it: only what is really saved is counted."""
     parameters = {id(p) for p in module.parameters()}
@@ -96,7 +119,8 @@ def saved_activation_bytes(module: nn.Module) -> Iterator[list[int]]:
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key = storage_key(tensor)
         nbytes = tensor.untyped_storage().nbytes()
-        if id(tensor) not in parameters and key not in seen and nbytes:
+        weight = id(tensor) in parameters or _viewed_leaf(tensor)
+        if not weight and key not in seen and nbytes:
             seen.add(key)
             total[0] += nbytes
         return tensor
