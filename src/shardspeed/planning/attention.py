@@ -10,11 +10,12 @@ and FLOPs are what a GPU run holds and does. Grouped-query attention keeps its f
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 
 class _Flash(torch.autograd.Function):
@@ -53,11 +54,23 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return _Flash.apply(query, key, value, is_causal or attn_mask is not None, scale)
 
 
-class FlashOnMeta(TorchFunctionMode):
-    """While active, `scaled_dot_product_attention` on meta tensors runs as the flash kernel."""
+@contextmanager
+def flash_on_meta() -> Iterator[None]:
+    """While active, `scaled_dot_product_attention` on meta tensors runs as the flash kernel, and
+    a meta tensor's truth value (a branch on data: transformers asking whether a batch is packed
+    or has no padding) is True, the branch of a plain batch of whole sequences. Both are swapped
+    in as attributes, not as a torch function mode: activation checkpointing recomputes on the
+    autograd engine's own thread, where a mode would not be active. Real tensors are untouched."""
+    sdpa, truth = F.scaled_dot_product_attention, torch.Tensor.__bool__
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and args and args[0].is_meta:
-            return _attention(*args, **kwargs)
-        return func(*args, **kwargs)
+    def attention(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return (_attention if query.is_meta else sdpa)(query, *args, **kwargs)
+
+    def as_bool(tensor: torch.Tensor) -> bool:
+        return True if tensor.is_meta else truth(tensor)
+
+    F.scaled_dot_product_attention, torch.Tensor.__bool__ = attention, as_bool
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, torch.Tensor.__bool__ = sdpa, truth

@@ -24,11 +24,12 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import comm
+from ..autotuning.step_time import StepInputs, StepTime, step_time
 from ..autotuning.systems import Cluster
 from ..config import read_config_source
 from ..runtime.api import initialize
 from ..zero.accounting import memory_places, saved_activation_bytes
-from .attention import FlashOnMeta
+from .attention import flash_on_meta
 from .models import ModelSource, build_model, causal_lm_batch, hf_config
 
 # A micro-batch for a rank: (micro-batch size, sequence length, device) -> what the engine takes.
@@ -87,12 +88,56 @@ class DryRun:
             if plan.bytes_at("device") > limit
         ]
 
+    def step_time(self, plan: RankPlan) -> StepTime:
+        """The step-time model (`autotuning.step_time`) over what `plan`'s rank measured."""
+        layout = self.layout
+        return step_time(
+            StepInputs(
+                flops=plan.flops_per_step,
+                collectives=[
+                    (c.kind, c.group_size, c.link, c.bytes, c.count) for c in plan.collectives
+                ],
+                data_parallel=layout["data_parallel"] * layout["sequence_parallel"],
+                zero_stage=layout["zero_stage"],
+                overlap_comm=layout["overlap_comm"],
+                pipeline_stages=layout["pipeline_parallel"],
+                micro_batches=layout["gradient_accumulation_steps"],
+                host_optimizer_bytes=plan.memory["optimizer_states"]["host"],
+                nvme_optimizer_bytes=plan.memory["optimizer_states"]["nvme"],
+            ),
+            self.cluster,
+        )
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.layout["train_batch"] * self.layout["seq_len"]
+
     def to_dict(self) -> dict[str, Any]:
+        """What `shardspeed plan --json` prints: per reported rank its memory (each kind's bytes
+        and where they live), the step's collectives and the step time by part."""
+        times = {plan.rank: self.step_time(plan) for plan in self.ranks}
+        slowest = max(times.values(), key=lambda t: t.total)
         return {
             "cluster": dataclasses.asdict(self.cluster) | {"world_size": self.cluster.world_size},
             "layout": self.layout,
             "parameters": self.parameters,
-            "ranks": [dataclasses.asdict(plan) for plan in self.ranks],
+            "memory": {
+                str(plan.rank): {
+                    kind: {"bytes": sum(where.values()), **where}
+                    for kind, where in plan.memory.items()
+                }
+                for plan in self.ranks
+            },
+            "collectives": {
+                str(plan.rank): [dataclasses.asdict(c) for c in plan.collectives]
+                for plan in self.ranks
+            },
+            "startup_collectives": {
+                str(plan.rank): [dataclasses.asdict(c) for c in plan.startup] for plan in self.ranks
+            },
+            "flops_per_step": {str(plan.rank): plan.flops_per_step for plan in self.ranks},
+            "step_time": {str(rank): t.as_dict() for rank, t in times.items()},
+            "tokens_per_second": self.tokens_per_step / slowest.total,
             "over_memory": [{"rank": r, "bytes": b} for r, b in self.over_memory()],
         }
 
@@ -106,6 +151,7 @@ def dry_run(
     batch: BatchFn | None = None,
     steps: int = 2,
     backend: str = "nccl",
+    activation_checkpointing: bool = False,
 ) -> DryRun:
     """Run `initialize` and `steps` training steps as each of `ranks` of `cluster`'s world, one at
     a time in this process, on torch's fake process group with the model on the meta device.
@@ -116,6 +162,8 @@ def dry_run(
     the one reported: the first may do one-time work. Config errors and refused combinations are
     raised as `initialize` raises them. `backend`: whose choices the run makes where shardspeed
     chooses per backend ("nccl" as on GPUs; "gloo" to match a CPU run).
+    `activation_checkpointing`: a Hugging Face model's own (`gradient_checkpointing_enable`), as a
+    training script switches it on.
     """
     if isinstance(config, (str, os.PathLike)):
         config = read_config_source(os.fspath(config))
@@ -134,6 +182,8 @@ def dry_run(
     for rank in ranks:
         with fake_world(rank, cluster, backend):
             module = build_model(model)
+            if activation_checkpointing:
+                module.gradient_checkpointing_enable()
             parameters = sum(p.numel() for p in module.parameters())
             with _quiet(rank != ranks[0]):
                 engine, *_ = initialize(model=module, config=config)
@@ -158,6 +208,7 @@ def layout_of(engine: Any, seq_len: int) -> dict[str, Any]:
         "zero_stage": zero.stage,
         "offload_optimizer": zero.offload_optimizer.device if zero.offload_optimizer else "none",
         "offload_param": zero.offload_param.device if zero.offload_param else "none",
+        "overlap_comm": zero.overlap_comm is not False,
         "precision": config.precision,
         "micro_batch": engine.train_micro_batch_size_per_gpu(),
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
@@ -175,7 +226,7 @@ def measure_rank(
     micro = engine.train_micro_batch_size_per_gpu()
     make = lambda: batch(micro, seq_len, engine.device)  # noqa: E731
     # On meta tensors attention runs as a GPU's flash kernel (attention.py); real tensors as they are.
-    kernels = FlashOnMeta() if engine.device.type == "meta" else nullcontext()
+    kernels = flash_on_meta() if engine.device.type == "meta" else nullcontext()
     activations = [0]
     with kernels:
         for _ in range(steps - 1):
