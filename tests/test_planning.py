@@ -7,6 +7,7 @@ dry run is the real code path, not a second model of it.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -82,3 +83,65 @@ def test_a_dry_run_reports_what_real_ranks_hold_and_send(pool2, pool4, case):
         for want, got in zip(real, dry.ranks):
             assert comparable(dataclasses.asdict(got)) == comparable(want), (case, world)
             assert got.flops_per_step == want["flops_per_step"]
+
+
+# ZeRO-3 at real size: buckets as large as a 70B layer's unit, so each unit's gradients go out as
+# one reduce-scatter; a live-parameter limit that admits the embedding unit.
+REAL_SIZE = {
+    "train_micro_batch_size_per_gpu": 1,
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": 2e9,
+        "stage3_max_live_parameters": 3e9,
+    },
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+}
+
+
+@pytest.mark.parametrize(("model", "nodes"), [("llama3-8b", 8), ("llama3-70b", 512)])
+def test_a_plan_at_real_size_gives_the_zero_formulas(tmp_path, capsys, model, nodes):
+    """64 ranks of 8B and 4,096 of 70B, as rank 0 only, through the command's JSON. Per rank:
+    16-bit parameter shards, fp32 gradient shards (shardspeed accumulates them in fp32, as
+    DeepSpeed's estimator counts), fp32 masters and Adam's two states, over N; stage 3 keeps
+    parameters under its persistence threshold whole (the norms), and shards are padded."""
+    from shardspeed.planning.cli import main
+    from shardspeed.zero.estimate import model_state_bytes
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(REAL_SIZE))
+    status = main([model, str(config), "--nodes", str(nodes), "--gpus-per-node", "8",
+                   "--seq-len", "256", "--json"])  # fmt: skip
+    plan = json.loads(capsys.readouterr().out)
+    assert status == 0 and plan["over_memory"] == []
+    world, params = nodes * 8, plan["parameters"]
+    paper = model_state_bytes(params, world, 3, "bf16")
+    memory = plan["memory"]["0"]
+    persistent = 2 * sum(  # the norms' weights, kept whole
+        n for n in _norm_sizes(model)
+    )
+    assert memory["parameters"]["bytes"] == pytest.approx(paper["parameters"] + persistent, 1e-3)
+    assert memory["gradients"]["bytes"] == pytest.approx(2 * paper["gradients"], 1e-3)
+    states = paper["master_weights"] + paper["optimizer_states"]
+    assert memory["optimizer_states"]["bytes"] == pytest.approx(states, 1e-3)
+    steps = {c["kind"]: c for c in plan["collectives"]["0"]}
+    assert steps["reduce_scatter"]["group_size"] == world
+    assert steps["reduce_scatter"]["link"] == "inter-node"
+    # Every gradient goes out once, in fp32 (padding aside).
+    assert steps["reduce_scatter"]["bytes"] == pytest.approx(4 * params, 1e-3)
+    assert plan["step_time"]["0"]["total"] > 0
+
+
+def _norm_sizes(model: str) -> list[int]:
+    from shardspeed.planning.models import PRESETS
+
+    config = PRESETS[model]
+    return [config["hidden_size"]] * (2 * config["num_hidden_layers"] + 1)
+
+
+def test_a_layout_that_cannot_fit_is_reported_with_the_rank_and_the_bytes_over(tmp_path):
+    """70B at ZeRO 3 on one node of 8: 16 bytes a parameter over 8 ranks is 141 GB a rank."""
+    result = dry_run("llama3-70b", REAL_SIZE, Cluster(1, 8), ranks=(3,), seq_len=128, steps=1)
+    ((rank, over),) = result.over_memory()
+    device = result.ranks[0].bytes_at("device")
+    assert rank == 3 and over == device - 80 * 2**30 and over > 60e9
