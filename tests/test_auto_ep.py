@@ -163,6 +163,7 @@ def train_from(
     load: str | None,
     save: str | None,
     stage: int = 2,
+    tag: str | None = None,
 ) -> dict:
     """Steps first .. last - 1 of the global batches (4 sequences each, `micro` per rank), after
     loading `load`, saving into `save` at the end; `autoep` None: no expert parallelism."""
@@ -175,7 +176,7 @@ def train_from(
         model=model, model_parameters=model.parameters(), config=config
     )
     if load is not None:
-        engine.load_checkpoint(load)
+        engine.load_checkpoint(load, tag=tag)
     rank = engine.global_rank
     for step in range(first, last):
         ids = global_batch(step, 4 // MICRO)[rank * micro : (rank + 1) * micro]
@@ -666,22 +667,38 @@ def test_a_zero_routing_bias_routes_as_the_model(pool2, family):
 AUTOEP_FIXTURE = Path(__file__).with_name("data") / "deepspeed_autoep"
 
 
-def test_a_deepspeed_autoep_checkpoint_resumes_at_ep2_and_without_ep(pool2, tmp_path):
-    """DeepSpeed 0.19.8's AutoEP checkpoint of the tiny Qwen3-MoE after 2 steps at autoep_size
-    2, ZeRO 2 (tests/data/make_deepspeed_autoep.py): resumed for a third step at EP 2 and on one
-    process without EP, the weights are those of one process trained 3 steps on the same
-    batches (1e-5 relative: DeepSpeed's run and the reference differ by summation order)."""
+@pytest.mark.parametrize(("tag", "stage"), [("autoep_zero2", 2), ("autoep_zero3", 3)])
+def test_a_deepspeed_autoep_checkpoint_resumes_at_ep2_and_without_ep(pool2, tmp_path, tag, stage):
+    """DeepSpeed 0.19.8's AutoEP checkpoints of the tiny Qwen3-MoE after 2 steps at autoep_size
+    2, ZeRO 2 (per-expert files) and ZeRO 3 (partition-native expert files)
+    (tests/data/make_deepspeed_autoep.py): resumed for a third step at EP 2 (at the stage it was
+    written at) and on one process without EP, the weights are those of one process trained 3
+    steps on the same batches (1e-5 relative: DeepSpeed's run and the reference differ by
+    summation order)."""
     copy = tmp_path / "ds"
     shutil.copytree(AUTOEP_FIXTURE, copy)
     _, expected = reference("qwen3_moe", 3, 2, LR)
-    at_ep2 = pool2.run(train_from, "qwen3_moe", 2, MICRO, 2, 3, str(copy), None)[0]
+    at_ep2 = pool2.run(train_from, "qwen3_moe", 2, MICRO, 2, 3, str(copy), None, stage, tag)[0]
     assert at_ep2["steps"] == 3
     assert_same_weights(at_ep2["weights"], expected, 1e-5)
     from shardspeed.testing import RankPool
 
     with RankPool(1) as one:
-        plain = one.run(train_from, "qwen3_moe", None, 4, 2, 3, str(copy), None)[0]
+        plain = one.run(train_from, "qwen3_moe", None, 4, 2, 3, str(copy), None, 2, tag)[0]
     assert_same_weights(plain["weights"], expected, 1e-5)
+
+
+@pytest.mark.parametrize("tag", ["autoep_zero2", "autoep_zero3"])
+def test_zero_to_fp32_reads_deepspeed_autoep_checkpoints(tag):
+    """DeepSpeed's own zero_to_fp32 does not handle AutoEP checkpoints; shardspeed's gives the
+    plain model's state dict (fused experts under their names), equal to one process's weights
+    after the same 2 steps (1e-5), and the plain model loads it strictly."""
+    from shardspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(AUTOEP_FIXTURE), tag=tag)
+    build("qwen3_moe").load_state_dict(state, strict=True)
+    _, expected = reference("qwen3_moe", 2, 2, LR)
+    assert_same_weights(state, expected, 1e-5)
 
 
 # -- with Ulysses sequence parallelism ------------------------------------------------------------

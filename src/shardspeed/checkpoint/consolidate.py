@@ -88,7 +88,18 @@ def lazy_state_dict(
     exclude_frozen_parameters: bool = False,
 ) -> dict[str, LazyTensor]:
     """`fp32_state_dict` without reading any tensor yet: values are `LazyTensor`s (a tied name
-    maps to the same object as the name it is tied to)."""
+    maps to the same object as the name it is tied to). A DeepSpeed checkpoint (ZeRO 0-3, AutoEP's
+    included, or universal) is read whole at once, under the model's names: tensors."""
+    from .deepspeed import deepspeed_tag_dir, is_deepspeed_checkpoint, read_deepspeed
+
+    root = Path(checkpoint_dir)
+    deepspeed_dir = (
+        root if tag is None and is_deepspeed_checkpoint(root) else deepspeed_tag_dir(root, tag)
+    )
+    if deepspeed_dir is not None:
+        found = read_deepspeed(deepspeed_dir)
+        held = {**found.params, **({} if exclude_frozen_parameters else found.frozen)}
+        return {n: held[n] for n in sorted(held, key=_natural)} | found.buffers
     path = checkpoint_path(checkpoint_dir, tag)
     manifest, source = open_checkpoint(path)  # validated: refused before any read if wrong
     aliases: dict[str, str] = manifest["aliases"]

@@ -294,6 +294,8 @@ def read_deepspeed(tag_dir: Path) -> DeepSpeedState:
     first = read_pt(ranks[0])
     _bookkeeping(state, first, tag_dir)
     _read_stage3(state, first, tag_dir, len(ranks))
+    if first.get(AUTOEP_LAYERS):
+        _from_autoep(state, first)
     state.written_by = {"zero_stage": 3, "pipeline_stages": 1}
     return state
 
@@ -558,19 +560,32 @@ def _read_stage3(state: DeepSpeedState, model_states: dict, tag_dir: Path, world
     stacked = {
         key: [torch.cat([r["state"][s][key] for s in sub_groups]) for r in inner] for key in keys
     }
+    runs = _expert_runs(tag_dir, ranks, model_states)
     offset = 0
     for g, names in enumerate(shapes):
+        group = inner[0][PARAM_GROUPS][min(g, len(inner[0][PARAM_GROUPS]) - 1)]
+        # Each run of experts (AutoEP's experts group) is partitioned over the ranks holding it;
+        # every other parameter over the whole world.
+        holders = runs if group.get("moe") and runs else [list(range(world))]
         for name, shape in names.items():
             numel = math.prod(shape)
-            part = -(-numel // world)
-            whole = torch.cat([flat[offset : offset + part] for flat in flats])[:numel]
-            state.params[name] = whole.view(tuple(shape)).float()
-            for key in keys:
-                values = torch.cat([v[offset : offset + part] for v in stacked[key]])[:numel]
-                state.states.setdefault(key, {})[name] = values.view(tuple(shape)).float()
+            part = -(-numel // len(holders[0]))
+            pieces = {"": flats, **stacked}
+            for key, per_rank in pieces.items():
+                whole = torch.cat(
+                    [
+                        torch.cat([per_rank[r][offset : offset + part] for r in run])[:numel]
+                        for run in holders
+                    ]
+                )
+                # Runs join on the first (expert) dimension.
+                joined = (len(holders) * shape[0], *shape[1:]) if len(holders) > 1 else shape
+                value = whole.view(tuple(joined)).float()
+                if key:
+                    state.states.setdefault(key, {})[name] = value
+                else:
+                    state.params[name] = value
             offset += part
-        groups = inner[0][PARAM_GROUPS]
-        group = groups[min(g, len(groups) - 1)]
         found = [inner[0]["state"][s] for s in sub_groups]
         state.groups.append({"hyper": _hyper(group), "scalars": _scalar_step(found)})
     state.loss_scaler = _loss_scaler(ranks[0].get(LOSS_SCALER), ranks[0])
@@ -581,6 +596,30 @@ def _read_stage3(state: DeepSpeedState, model_states: dict, tag_dir: Path, world
             numel = math.prod(shape)
             whole = torch.cat([f[name].reshape(-1) for f in fragments])[:numel]
             state.frozen[name] = whole.view(tuple(shape))
+
+
+def _expert_runs(tag_dir: Path, ranks: list[dict], model_states: dict) -> list[list[int]]:
+    """AutoEP at ZeRO 3: the ranks holding each run of experts, runs in expert order, each in
+    its partition order ([] without AutoEP). Each rank's model-states file says its run
+    (`ep_rank`); its optimizer file the ranks it partitions that run with."""
+    if not model_states.get(AUTOEP_LAYERS):
+        return []
+    runs: dict[int, list[int]] = {}
+    for r, path in enumerate(_stage3_models(tag_dir)):
+        layers = model_states[AUTOEP_LAYERS] if r == 0 else read_pt(path)[AUTOEP_LAYERS]
+        if layers[0].get("checkpoint_format") != "zero3_partitioned":
+            raise CheckpointError(
+                f"{tag_dir}: an AutoEP ZeRO 3 checkpoint in the format "
+                f"{layers[0].get('checkpoint_format')!r}; shardspeed reads DeepSpeed 0.19's "
+                "'zero3_partitioned' one: convert it with DeepSpeed's ds_to_universal"
+            )
+        partition = next(
+            g
+            for g in ranks[r].get("ds_zero_partition_groups", [])
+            if "autoep_expert" in g["families"]
+        )
+        runs.setdefault(layers[0]["ep_rank"], list(partition["partition_ranks"]))
+    return [runs[e] for e in sorted(runs)]
 
 
 def _stage3_models(tag_dir: Path) -> list[Path]:
