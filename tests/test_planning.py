@@ -145,3 +145,29 @@ def test_a_layout_that_cannot_fit_is_reported_with_the_rank_and_the_bytes_over(t
     ((rank, over),) = result.over_memory()
     device = result.ranks[0].bytes_at("device")
     assert rank == 3 and over == device - 80 * 2**30 and over > 60e9
+
+
+# Published runs: (model, cluster, DeepSpeed-style config, sequence length, checkpointing, published
+# tokens/s per GPU, source). Error bound: 25%, see docs/planning.md.
+PUBLISHED = {
+    "torchtitan Llama 3.1 8B, 8 H100, FSDP, local batch 2": (
+        "llama3-8b",
+        Cluster(1, 8, "H100-SXM"),
+        {**REAL_SIZE, "train_micro_batch_size_per_gpu": 2},
+        8192,
+        False,  # selective checkpointing recomputes little
+        5762,
+        "pytorch/torchtitan docs/performance.md, Table 1 (FSDP, no compile)",
+    ),
+}
+ERROR_BOUND = 0.25
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_the_step_time_model_is_within_its_bound_of_published_runs(name):
+    model, cluster, config, seq, checkpointing, published, _ = PUBLISHED[name]
+    result = dry_run(model, config, cluster, seq_len=seq, steps=1,
+                     activation_checkpointing=checkpointing)  # fmt: skip
+    seconds = result.step_time(result.ranks[0]).total
+    predicted = result.tokens_per_step / seconds / cluster.world_size
+    assert abs(predicted / published - 1) < ERROR_BOUND, (predicted, published)
