@@ -1,0 +1,61 @@
+"""Dry runs at real size: the step-time model against published runs, and start-up cost against
+world size, on torch's fake process group (one rank of each world, on this machine's CPU).
+
+    .venv/bin/python benchmarks/bench_plan.py [published|startup]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from shardspeed.planning import Cluster, dry_run
+
+ZERO3 = {
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": 2e9,
+        "stage3_max_live_parameters": 3e9,
+    },
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+}
+
+# (name, model, cluster, micro-batch, extra config, seq, checkpointing, published tokens/s/GPU, source)
+PUBLISHED = [
+    ("Llama 3.1 8B, 8 H100, FSDP, bs 2, selective AC", "llama3-8b", Cluster(1, 8, "H100-SXM"),
+     2, {}, 8192, False, 5762, "torchtitan docs/performance.md Table 1"),
+    ("Llama 3 8B, 64 A100, FSDP, bs 1, selective op AC", "llama3-8b", Cluster(8, 8, "A100-80GB"),
+     1, {}, 8192, False, 2973, "torchtitan docs/performance.md (64 A100 table)"),
+    ("Llama 3 70B, 64 A100, FSDP, bs 1, full AC", "llama3-70b", Cluster(8, 8, "A100-80GB"),
+     1, {}, 8192, True, 331, "torchtitan docs/performance.md (64 A100 table)"),
+]  # fmt: skip
+
+
+def published() -> None:
+    print("| run | published tokens/s/GPU | predicted | error | source |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for name, model, cluster, micro, extra, seq, ac, figure, source in PUBLISHED:
+        config = {**ZERO3, "train_micro_batch_size_per_gpu": micro, **extra}
+        result = dry_run(model, config, cluster, seq_len=seq, steps=1, activation_checkpointing=ac)
+        seconds = result.step_time(result.ranks[0]).total
+        predicted = result.tokens_per_step / seconds / cluster.world_size
+        print(f"| {name} | {figure:,} | {predicted:,.0f} | {predicted / figure - 1:+.1%} | {source} |",
+              flush=True)  # fmt: skip
+
+
+def startup() -> None:
+    print("| model | world | initialize + 1 step, one rank (s) |")
+    print("| --- | ---: | ---: |")
+    for model in ("llama3-8b", "llama3-70b"):
+        for nodes in (8, 64, 512):
+            config = {**ZERO3, "train_micro_batch_size_per_gpu": 1}
+            start = time.perf_counter()
+            dry_run(model, config, Cluster(nodes, 8), seq_len=128, steps=1)
+            print(f"| {model} | {nodes * 8} | {time.perf_counter() - start:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    which = sys.argv[1:] or ["published", "startup"]
+    for part in which:
+        {"published": published, "startup": startup}[part]()
