@@ -119,6 +119,20 @@ def test_slurm_host_lists() -> None:
     assert [discovery.tasks_on_node("4,2(x2),1", i) for i in range(4)] == [4, 2, 2, 1]
 
 
+def test_nccl_without_a_gpu_is_refused_naming_the_backend() -> None:
+    code = (
+        "import shardspeed\n"
+        "try:\n    shardspeed.init_distributed(dist_backend='nccl')\n"
+        "except RuntimeError as e:\n    print(e)\n"
+    )
+    env = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [PYTHON, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "init_distributed(dist_backend='nccl'): the nccl backend needs a CUDA GPU" in done.stdout
+    assert "dist_backend='gloo'" in done.stdout, done.stderr
+
+
 def test_init_distributed_without_discovery_refuses_a_larger_world(tmp_path: Path) -> None:
     code = (
         "import shardspeed\n"

@@ -205,6 +205,12 @@ def init_distributed(
     if world_size > 0:
         kwargs["world_size"] = world_size
     if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"init_distributed(dist_backend={dist_backend!r}): the nccl backend needs a CUDA "
+                "GPU and this machine has none: pass dist_backend='gloo' (or leave it out: "
+                "shardspeed picks gloo where there is no GPU)"
+            )
         torch.cuda.set_device(get_local_rank())
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
