@@ -4,6 +4,8 @@ they are compared with."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -80,10 +82,12 @@ def global_batch(step: int, ranks: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (ranks * MICRO, SEQ), generator=gen)
 
 
-def reference(family: str, steps: int, ranks: int, lr: float) -> tuple[list[float], dict]:
+def reference(
+    family: str, steps: int, ranks: int, lr: float, make: Callable[[str], nn.Module] | None = None
+) -> tuple[list[float], dict]:
     """One process, no expert parallelism, AdamW on each step's global batch: the mean token
-    loss of every step and the final weights."""
-    model = build(family)
+    loss of every step and the final weights. `make`: the model's builder (default `build`)."""
+    model = (make or build)(family)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     for step in range(steps):
@@ -96,9 +100,11 @@ def reference(family: str, steps: int, ranks: int, lr: float) -> tuple[list[floa
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def reference_norms(family: str, steps: int, ranks: int, lr: float) -> list[float]:
+def reference_norms(
+    family: str, steps: int, ranks: int, lr: float, make: Callable[[str], nn.Module] | None = None
+) -> list[float]:
     """`reference`'s gradient norm at every step (the scale AdamW's weights would hide)."""
-    model = build(family)
+    model = (make or build)(family)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     norms = []
     for step in range(steps):

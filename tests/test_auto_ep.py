@@ -11,6 +11,7 @@ key biases (Qwen2-MoE) are left out: their true gradient is zero, so AdamW ampli
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,10 +41,12 @@ def train(
     section: dict | None = None,
     zero: dict | None = None,
     autotp: int = 0,
+    make: Callable[[str], torch.nn.Module] | None = None,
 ) -> dict:
     """STEPS steps of `family` under the engine; each rank's losses and the whole weights.
-    `autotp`: AutoTP's size (tensor-parallel peers take the same micro-batch)."""
-    model = build(family)
+    `autotp`: AutoTP's size (tensor-parallel peers take the same micro-batch); `make`: the
+    model's builder (default `build`)."""
+    model = (make or build)(family)
     config = ep_config(autoep, stage, zero, **(section or {}))
     if autotp:
         config["tensor_parallel"] = {"autotp_size": autotp}
@@ -66,9 +69,11 @@ def train(
     }
     plan = engine.optimizer.plan
     expert_shards = {plan.layout.shards[r] for r, place in enumerate(plan.region_place) if place}
+    moved = [m for m in engine.experts.routed.values() if getattr(m, "slot_of", None)]
     return {
         "losses": losses,
         "norms": norms,
+        "moved": any(m.slot_of() is not None for m in moved),
         "weights": consolidated_state_dict(engine),
         "local": local,
         "expert_shards": sorted(expert_shards),
@@ -76,17 +81,21 @@ def train(
 
 
 def assert_like_one_process(
-    results: list[dict], family: str, replicas: int = 0, weights_tol: float = 1e-5
+    results: list[dict],
+    family: str,
+    replicas: int = 0,
+    weights_tol: float = 1e-5,
+    make: Callable[[str], torch.nn.Module] | None = None,
 ) -> None:
     """`replicas`: the data-parallel size, when not every rank takes its own micro-batch."""
     replicas = replicas or len(results)
-    expected_losses, expected = reference(family, STEPS, replicas, LR)
+    expected_losses, expected = reference(family, STEPS, replicas, LR, make)
     # Each rank's loss is its micro-batch's mean; equal token counts make their mean the
     # global batch's.
     losses = torch.tensor([r["losses"] for r in results]).mean(0).tolist()
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     # The gradient norm too: AdamW's weights would hide a gradient scaled wrongly.
-    expected_norms = reference_norms(family, STEPS, replicas, LR)
+    expected_norms = reference_norms(family, STEPS, replicas, LR, make)
     for result in results:
         assert result["norms"] == pytest.approx(expected_norms, rel=1e-5)
     for name, want in expected.items():
@@ -302,6 +311,7 @@ REFUSED = [  # (family, config changes, section keys, what the message must say)
     ("qwen3_moe", {}, {"num_experts_attr": "expert_count"}, "'expert_parallel.num_experts_attr' is 'expert_count', which the model's config does not have"),
     ("qwen2_moe", {}, {"has_shared_experts": False}, "'expert_parallel.has_shared_experts' is false, but 'model.layers.0.mlp' has shared experts"),
     ("qwen3_moe", {}, {"validate_folding_routing": True}, "'expert_parallel.validate_folding_routing' checks that tensor-parallel peers route alike, and this run has no AutoTP"),
+    ("qwen3_moe", {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, {"rebalance_interval": 5}, "'expert_parallel.rebalance_interval' moves experts with their optimizer states"),
     ("qwen3_moe", {}, {"hot_expert_replicas": 4}, "'expert_parallel.hot_expert_replicas' is 4; the blocks have 4 experts, so it must be below 4"),
     ("qwen3_moe", {"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 3}}, {}, "ZeRO stage 3 does not combine with automatic tensor parallelism ('tensor_parallel.autotp_size' 2)"),
 ]  # fmt: skip
@@ -593,11 +603,10 @@ def test_the_routing_bias_evens_out_a_collapsed_router(pool2, family, coeff, bou
     assert result["gates_unbiased"]
 
 
-def rows_per_rank(replicas: int, steps: int) -> list[list[int]]:
-    """`steps` steps at lr 0 on the collapsed Qwen3-MoE at EP 2 with `hot_expert_replicas`;
-    each step's rows this rank's experts (and hot copies) computed, per block."""
+def rows_per_rank(section: dict, steps: int) -> list[list[int]]:
+    """`steps` steps at lr 0 on the collapsed Qwen3-MoE at EP 2 with the `section` keys; each
+    step's rows this rank's experts (and hot copies) computed, per block."""
     model = collapsed("qwen3_moe")
-    section = {"hot_expert_replicas": replicas} if replicas else {}
     config = ep_config(2, 2, **section)
     config["optimizer"]["params"]["lr"] = 0.0
     config["train_micro_batch_size_per_gpu"] = 4 * MICRO
@@ -626,22 +635,107 @@ def test_hot_expert_replicas_at_ep4_with_zero3(pool4):
     assert_like_one_process(results, "gpt_oss")
 
 
+def busiest_over_mean(results: list, step: int) -> list[float]:
+    """Per block, the busiest rank's rows over the mean at `step` (`rows_per_rank`'s)."""
+    per_block = zip(*(r[step] for r in results))
+    return [max(rows) / (sum(rows) / len(rows)) for rows in per_block]
+
+
 def test_hot_expert_replicas_lower_the_busiest_ranks_rows(pool2):
     """Routers pulled towards experts 0 and 1, both held by rank 0: without copies rank 0
     computes most rows; with the 2 hottest copied to both ranks (from the second step on,
     chosen from the first step's load), each rank computes its own tokens' rows for them: the
     busiest rank's rows over the mean fall from at least 1.3 to at most 1.1."""
-    plain = pool2.run(rows_per_rank, 0, 3)
-    copied = pool2.run(rows_per_rank, 2, 3)
-
-    def busiest_over_mean(results: list, step: int) -> list[float]:
-        per_block = zip(*(r[step] for r in results))
-        return [max(rows) / (sum(rows) / len(rows)) for rows in per_block]
+    plain = pool2.run(rows_per_rank, {}, 3)
+    copied = pool2.run(rows_per_rank, {"hot_expert_replicas": 2}, 3)
 
     assert busiest_over_mean(copied, 0) == busiest_over_mean(plain, 0)  # no copies yet
     # Measured: 1.35 / 1.38 (blocks 0 / 1) without copies at every step; 1.09 / 1.02 with them.
     assert min(busiest_over_mean(plain, 2)) >= 1.3
     assert max(busiest_over_mean(copied, 2)) <= 1.1
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_moving_experts_trains_as_one_process(pool2, stage):
+    """Routers pulled towards experts 0 and 1 (both on rank 0): after every step the experts
+    move between the two ranks with their weights, masters and Adam states. Losses, gradient
+    norms and weights equal one process (1e-5), and the experts did move."""
+    section = {"rebalance_interval": 1}
+    results = pool2.run(train, "qwen3_moe", 2, stage, section, make=collapsed)
+    assert all(r["moved"] for r in results)
+    assert_like_one_process(results, "qwen3_moe", make=collapsed)
+
+
+def test_moving_experts_with_copies_at_ep2_by_dp2(pool4):
+    section = {"rebalance_interval": 2, "hot_expert_replicas": 1}
+    results = pool4.run(train, "mixtral", 2, 2, section, make=collapsed)
+    assert all(r["moved"] for r in results)
+    assert_like_one_process(results, "mixtral", make=collapsed)
+
+
+def test_moving_experts_lowers_the_busiest_ranks_rows(pool2):
+    """The collapsed model's hot experts 0 and 1 start on rank 0; after the first step's move
+    each rank holds one: the busiest rank's rows over the mean fall from at least 1.3 to at
+    most 1.1 (measured: 1.35 / 1.38 to 1.01 / 1.04 for blocks 0 / 1)."""
+    plain = pool2.run(rows_per_rank, {}, 3)
+    moved = pool2.run(rows_per_rank, {"rebalance_interval": 1}, 3)
+    assert busiest_over_mean(moved, 0) == busiest_over_mean(plain, 0)
+    assert min(busiest_over_mean(plain, 2)) >= 1.3
+    assert max(busiest_over_mean(moved, 2)) <= 1.1
+
+
+def moved_then_saved(tmp: str) -> dict:
+    """2 steps of the collapsed Qwen3-MoE at EP 2 moving its experts after each, then a save;
+    the model's own state dict and the consolidated weights at that point."""
+    model = collapsed("qwen3_moe")
+    config = ep_config(2, 2, rebalance_interval=1)
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    rank = engine.global_rank
+    for step in range(2):
+        ids = global_batch(step, 2)[rank * MICRO : (rank + 1) * MICRO]
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    moved = any(m.slot_of() is not None for m in engine.experts.routed.values())
+    state = {n: t.clone() for n, t in model.state_dict().items()}
+    engine.save_checkpoint(tmp)
+    still = any(m.slot_of() is not None for m in engine.experts.routed.values())
+    return {"moved": moved and still, "state": state, "weights": consolidated_state_dict(engine)}
+
+
+def resumed_in_one_process(tmp: str) -> dict:
+    model = collapsed("qwen3_moe")
+    config = ep_config(1, 2)
+    del config["expert_parallel"]
+    config["train_micro_batch_size_per_gpu"] = 2 * MICRO
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    engine.load_checkpoint(tmp)
+    ids = global_batch(2, 2)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    return consolidated_state_dict(engine)
+
+
+def test_moved_experts_save_in_their_own_order_and_resume_without_ep(pool2, tmp_path):
+    """After moves, the model's state dict and the consolidated weights hold the experts in
+    their own order (equal to one process after 2 steps), the checkpoint resumes on one process
+    without EP to the uninterrupted run's third step (1e-5), and the experts stay moved."""
+    results = pool2.run(moved_then_saved, str(tmp_path / "ckpt"))
+    _, after_two = reference("qwen3_moe", 2, 2, LR, collapsed)
+    for result in results:
+        assert result["moved"]
+        assert_same_weights(result["weights"], after_two, 1e-5)
+        for name, tensor in result["weights"].items():
+            assert torch.equal(result["state"][name], tensor), name
+    from shardspeed.testing import RankPool
+
+    with RankPool(1) as one:
+        resumed = one.run(resumed_in_one_process, str(tmp_path / "ckpt"))[0]
+    _, after_three = reference("qwen3_moe", 3, 2, LR, collapsed)
+    assert_same_weights(resumed, after_three, 1e-5)
 
 
 def biased_router_at_zero(family: str) -> bool:

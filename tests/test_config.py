@@ -609,6 +609,13 @@ RULE_TRIGGERS: dict[str, tuple[dict, RunFacts | None]] = {
         {"expert_parallel": {"enabled": True, "autoep_size": 2}},
         RunFacts(tensor_parallel_size=2, autotp_size=0),
     ),
+    "moving experts at stage 0-2 with states in memory": (
+        {
+            "zero_optimization": {"stage": 3},
+            "expert_parallel": {"enabled": True, "autoep_size": 2, "rebalance_interval": 10},
+        },
+        None,
+    ),
     "stage 3 without automatic tensor parallelism": (
         {"zero_optimization": {"stage": 3}},
         RunFacts(autotp_size=2),

@@ -858,7 +858,7 @@ def parameter_splits(engine: Any) -> dict[str, tuple[Split, int]]:
         for name, p in engine.module.named_parameters()
         if getattr(p, "tensor_model_parallel", False) and parts > 1
     }
-    for name, (pieces, index, _) in engine.experts.splits.items():
+    for name, (pieces, index, *_) in engine.experts.splits.items():
         splits[name] = (Split(0, pieces), index)
     return splits
 

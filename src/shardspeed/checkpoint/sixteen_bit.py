@@ -126,12 +126,13 @@ def _whole(
     p: nn.Parameter,
     name: str,
     topology: Any,
-    experts: dict[str, tuple[int, int, Any]],
+    experts: dict[str, tuple[int, int, Any, Any]],
     dtype: torch.dtype | None,
 ) -> torch.Tensor:
     tensor = p.detach().to(dtype or p.dtype)
-    if name in experts:  # a run of a Hugging Face block's experts
-        return whole(tensor, 0, experts[name][2])
+    if name in experts:  # a run of a Hugging Face block's experts (or of moved experts)
+        _, _, group, in_order = experts[name]
+        return in_order(whole(tensor, 0, group))
     if not getattr(p, "tensor_model_parallel", False) or topology.tp_world_size == 1:
         return tensor
     return whole(tensor, p.partition_dim, topology.tp_group, getattr(p, "partition_stride", 1))

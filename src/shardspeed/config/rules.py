@@ -298,6 +298,22 @@ RULES: tuple[Rule, ...] = (
         needs=("moe_ep_sizes",),
     ),
     Rule(
+        "moving experts at stage 0-2 with states in memory",
+        "expert_parallel.rebalance_interval",
+        lambda config, facts: (
+            config.expert_parallel.enabled
+            and config.expert_parallel.rebalance_interval > 0
+            and (_stage(config) == 3 or config.zero_optimization.offload_optimizer.device != "none")
+        ),
+        lambda config, facts: (
+            "'expert_parallel.rebalance_interval' moves experts with their optimizer states, "
+            "which it does at ZeRO stages 0-2 with the states in memory: not with "
+            f"'zero_optimization.stage' {_stage(config)} and 'zero_optimization.offload_optimizer' "
+            f"'{config.zero_optimization.offload_optimizer.device}'; remove the key (or use "
+            "'hot_expert_replicas', which moves nothing)"
+        ),
+    ),
+    Rule(
         "experts without hpZ",
         "zero_optimization.zero_hpz_partition_size",
         lambda config, facts: (

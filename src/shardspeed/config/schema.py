@@ -665,7 +665,10 @@ class ExpertParallelConfig(StrictModel):
     `hot_expert_replicas` (shardspeed's; DeepSpeed has none): each block's R most loaded experts
     of the last step are copied to every rank of their expert group for the next one, where the
     tokens routed to them are computed; their gradients are summed back to the expert's own rank
-    (weights, optimizer states and checkpoints stay where they are). `validate_folding_routing`:
+    (weights, optimizer states and checkpoints stay where they are). `rebalance_interval` N
+    (shardspeed's): every N optimizer steps the experts move between the ranks of their expert
+    group, with their weights and optimizer states, so that each rank's load over those steps
+    evens out (ZeRO 0-2, optimizer states in memory). `validate_folding_routing`:
     under AutoTP, check at every forward that tensor-parallel peers routed their (identical)
     tokens alike (a debug check with a host sync)."""
 
@@ -702,6 +705,7 @@ class ExpertParallelConfig(StrictModel):
     top_k: PositiveInt | Literal["auto"] = "auto"
     load_balance_coeff: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     hot_expert_replicas: NonNegativeInt = 0
+    rebalance_interval: NonNegativeInt = 0
     routed_scaling_factor: float | Literal["auto"] = "auto"
     expert_w1: str | None = None
     expert_w2: str | None = None

@@ -127,6 +127,11 @@ def apply_expert_parallel(
             f"'{_KEY}.hot_expert_replicas' is {replicas}; the blocks have {fewest} experts, so "
             f"it must be below {fewest} (copying every expert would leave nothing to exchange)"
         )
+    if section.rebalance_interval and size == 1:
+        raise ConfigError(
+            f"'{_KEY}.rebalance_interval' is {section.rebalance_interval}, but at 'autoep_size' "
+            "1 every rank holds every expert: there is nothing to move; remove the key"
+        )
     if section.validate_folding_routing and token_peers is None:
         raise ConfigError(
             f"'{_KEY}.validate_folding_routing' checks that tensor-parallel peers route alike, "

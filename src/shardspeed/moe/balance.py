@@ -31,6 +31,7 @@ from torch import nn
 
 from ..comm import all_reduce
 from ..common.observer import StepObserver
+from .rebalance import balanced_slots, move_experts
 
 _CORRECTION = "e_score_correction_bias"
 
@@ -86,9 +87,11 @@ def routing_bias(router: nn.Module, kind: str, normalise: bool) -> torch.Tensor:
 class LoadBalancer(StepObserver):
     """After every optimizer step, from the load of the step's training forwards summed over
     `group` (the ranks holding different tokens): moves each block's routing bias by `coeff`
-    towards an even load (see the module docstring), and names each block's `replicas` most
-    loaded experts its `hot_experts` for the next step (`expert_parallel.py`). `experts[i]`
-    counts the pairs routed by block i; `biases[i]` is its bias when `coeff` is set."""
+    towards an even load (see the module docstring); names each block's `replicas` most loaded
+    experts its `hot_experts` for the next step (`expert_parallel.py`); and every
+    `rebalance_every` steps moves the experts between their ranks from the load of those steps
+    (`rebalance.py`). `experts[i]` counts the pairs routed by block i; `biases[i]` is its bias
+    when `coeff` is set."""
 
     def __init__(
         self,
@@ -97,12 +100,13 @@ class LoadBalancer(StepObserver):
         coeff: float | None = None,
         biases: list[torch.Tensor] = (),
         replicas: int = 0,
+        rebalance_every: int = 0,
     ) -> None:
         self.experts, self.group, self.coeff = experts, group, coeff
         self.biases, self.replicas = list(biases), replicas
+        self.rebalance_every, self.steps, self.since = rebalance_every, 0, None
 
     def after_step(self, engine: Any) -> None:
-        del engine
         windows = [e.take_window_counts() for e in self.experts]
         if any(w is None for w in windows):
             return  # no forward with autograd since the last step
@@ -118,3 +122,14 @@ class LoadBalancer(StepObserver):
             hot = torch.sort(torch.topk(load, self.replicas, dim=1, sorted=True).indices).values
             for experts, chosen in zip(self.experts, hot):
                 experts.hot_experts = chosen
+        if self.rebalance_every:
+            self.since = load if self.since is None else self.since + load
+            self.steps += 1
+            if self.steps % self.rebalance_every == 0:
+                for experts, measured in zip(self.experts, self.since):
+                    shard = experts.expert_shard
+                    slots = balanced_slots(
+                        measured, experts.expert_slots, shard.groups.ep_size, shard.local
+                    )
+                    move_experts(experts, slots, engine.optimizer)
+                self.since = None

@@ -132,17 +132,19 @@ class ExpertParallel:
         group = shard.groups.ep_group
         hot = getattr(self, "hot_experts", None)
         copies: dict[str, torch.Tensor] = {}
+        placed = self.slot_of()
+        key = flat if placed is None else placed[flat]  # rows go by the slot holding the expert
+        if placed is not None and hot is None:
+            counts = torch.bincount(key, minlength=shard.experts)
         if hot is not None:
             # Hot experts sort after every other, by their place in `hot`: the rows sent away
             # come first, this rank's hot rows last.
             slot = torch.full((shard.experts,), -1, dtype=torch.long, device=flat.device)
             slot[hot] = torch.arange(hot.numel(), device=flat.device)
-            key = torch.where(slot[flat] >= 0, shard.experts + slot[flat], flat)
+            key = torch.where(slot[flat] >= 0, shard.experts + slot[flat], key)
             every = torch.bincount(key, minlength=shard.experts + hot.numel())
             counts, hot_counts = every[: shard.experts], every[shard.experts :]
             copies = _hot_copies(self, hot, group)
-        else:
-            key = flat
         order = torch.argsort(key, stable=True)
         token = order // choices  # pair p is token p // k's choice p % k
         received = torch.empty_like(counts)
@@ -168,6 +170,14 @@ class ExpertParallel:
         weighted = back * top_k_weights.reshape(-1).index_select(0, order).unsqueeze(1)
         combined = torch.zeros_like(hidden_states)
         return combined.index_add_(0, token, weighted.to(combined.dtype))
+
+    def slot_of(self) -> torch.Tensor | None:
+        """Each expert's global slot (rank * local + row) when the experts were moved from their
+        own places (`rebalance.move_experts`), else None."""
+        slots = self.expert_slots
+        if torch.equal(slots, torch.arange(slots.numel(), device=slots.device)):
+            return None
+        return torch.argsort(slots)
 
     def take_window_counts(self) -> torch.Tensor | None:
         """The pairs routed to each expert by training forwards since the last call (None if
@@ -232,8 +242,10 @@ def _hot_copies(module: nn.Module, hot: torch.Tensor, group: Any) -> dict[str, t
     rank holding each writes it and one all-reduce per tensor shares them (its backward sums the
     copies' gradients back into the holder's rows)."""
     shard: ExpertShard = module.expert_shard
-    here = (hot >= shard.first) & (hot < shard.first + shard.local)
-    rows = (hot - shard.first).clamp(0, shard.local - 1)
+    placed = module.slot_of()
+    slot = hot if placed is None else placed[hot]
+    here = (slot >= shard.first) & (slot < shard.first + shard.local)
+    rows = (slot - shard.first).clamp(0, shard.local - 1)
     copies = {}
     for name, param in expert_tensors(module):
         mask = here.to(param.dtype).view(-1, *([1] * (param.dim() - 1)))
@@ -287,6 +299,8 @@ def shard_experts(
     if implementation is not None and hasattr(experts, "config"):
         experts.config = copy.copy(experts.config)  # this module's own choice, not the model's
         experts.config._experts_implementation = implementation
+    # Which expert each global slot holds: its own at first (moe/rebalance.py moves them).
+    experts.expert_slots = torch.arange(count, device=tensors[0][1].device)
     experts.expert_shard = ExpertShard(
         count, local, first, groups, cls.forward, token_peers, check_peers
     )
@@ -306,7 +320,7 @@ def _whole_experts(module: nn.Module, state: dict, prefix: str, local_metadata: 
         tensor = state.get(key)
         if isinstance(tensor, nn.Parameter) or tensor is None or tensor.shape[0] != shard.local:
             continue
-        state[key] = whole(tensor, 0, shard.groups.ep_group)
+        state[key] = home_order(module, whole(tensor, 0, shard.groups.ep_group))
 
 
 def _local_experts(module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
@@ -316,7 +330,14 @@ def _local_experts(module: nn.Module, state: dict, prefix: str, *args: Any) -> N
     for name, _ in expert_tensors(module):
         tensor = state.get(prefix + name)
         if tensor is not None and tensor.shape[0] == shard.experts:
-            state[prefix + name] = tensor[shard.first : shard.first + shard.local]
+            mine = module.expert_slots[shard.first : shard.first + shard.local]
+            state[prefix + name] = tensor.index_select(0, mine.to(tensor.device))
+
+
+def home_order(module: nn.Module, gathered: torch.Tensor) -> torch.Tensor:
+    """An experts tensor gathered over the expert group (slot order) in the experts' own order."""
+    placed = module.slot_of()
+    return gathered if placed is None else gathered.index_select(0, placed.to(gathered.device))
 
 
 _CLASSES: dict[type, type] = {}

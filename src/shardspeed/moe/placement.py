@@ -9,6 +9,9 @@ holder (the rank that writes it); its trainable weights go to the ZeRO optimizer
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +21,10 @@ from torch import nn
 from ..comm import Topology, all_reduce
 from ..config.errors import ConfigError
 from ..zero.plan import ExpertParameters
-from .expert_parallel import ExpertParallel, expert_tensors
+from .expert_parallel import ExpertParallel, expert_tensors, home_order
 from .gating import imbalance
 from .layer import MoE
+from .rebalance import move_experts
 
 
 @dataclass(frozen=True)
@@ -28,13 +32,37 @@ class ExpertPlacement:
     """The model's MoE layers by module name, its expert tensors' checkpoint names (module name
     -> (global name, first holder)), the expert weights the optimizer averages apart, and the
     fused expert tensors of Hugging Face blocks held as pieces: name -> (pieces, this rank's,
-    the group holding them), each piece a run of experts on the first dimension."""
+    the group holding them, what puts their gathered runs in the experts' own order), each piece
+    a run of experts on the first dimension (in order while the experts are home: `at_home`)."""
 
     layers: dict[str, MoE]
     tensor_names: dict[str, tuple[str, bool]]
     parameters: list[ExpertParameters]
-    splits: dict[str, tuple[int, int, Any]]
+    splits: dict[str, tuple[int, int, Any, Any]]
     routed: dict[str, Any]  # what reports its routing (`expert_load()`): layers, HF experts
+
+    @contextlib.contextmanager
+    def at_home(self, optimizer: Any) -> Iterator[None]:
+        """Every moved experts module's experts back in their own places (collective), then,
+        on leaving, where they were: a checkpoint's pieces are runs of experts in order."""
+        moved = [(m, m.expert_slots.clone()) for m in self._modules() if m.slot_of() is not None]
+        for module, _ in moved:
+            move_experts(module, torch.arange(module.expert_shard.experts), optimizer)
+        try:
+            yield
+        finally:
+            for module, slots in moved:
+                move_experts(module, slots, optimizer)
+
+    def go_home(self, optimizer: Any) -> None:
+        """Every moved experts module's experts back in their own places, to stay (before a
+        load, which writes them in order)."""
+        for module in self._modules():
+            if module.slot_of() is not None:
+                move_experts(module, torch.arange(module.expert_shard.experts), optimizer)
+
+    def _modules(self) -> list[ExpertParallel]:
+        return [m for m in self.routed.values() if isinstance(m, ExpertParallel)]
 
     @property
     def ep_sizes(self) -> tuple[int, ...]:
@@ -70,6 +98,7 @@ def place_experts(
                 m.expert_shard.groups.ep_size,
                 m.expert_shard.groups.ep_rank,
                 m.expert_shard.groups.ep_group,
+                functools.partial(home_order, m),
             )
             for prefix, m in sharded.items()
             for name, _ in expert_tensors(m)

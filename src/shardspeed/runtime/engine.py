@@ -580,9 +580,10 @@ class ShardSpeedEngine(nn.Module):
         complete. `client_state` may hold JSON values and tensors. See docs/checkpoint-format.md.
         """
         require_optimizer(self, "save_checkpoint()")
-        return save_engine(
-            self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
-        )
+        with self.experts.at_home(self.optimizer):  # pieces are runs of experts in order
+            return save_engine(
+                self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
+            )
 
     def load_checkpoint(
         self,
@@ -604,6 +605,7 @@ class ShardSpeedEngine(nn.Module):
                 "load_checkpoint(custom_load_fn=...) is not supported: checkpoints are read by shardspeed's format only"
             )
         require_optimizer(self, "load_checkpoint()")
+        self.experts.go_home(self.optimizer)  # what is loaded is in the experts' own order
         loaded = load_engine(
             self,
             load_dir,
@@ -720,7 +722,9 @@ def _observers(engine: ShardSpeedEngine) -> list[StepObserver]:
         observers.append(ProfiledStep(engine.flops_profiler, config.flops_profiler))
     observers.append(StepReport(config, engine.clock))
     section = config.expert_parallel
-    if section.enabled and (section.load_balance_coeff or section.hot_expert_replicas):
+    if section.enabled and (
+        section.load_balance_coeff or section.hot_expert_replicas or section.rebalance_interval
+    ):
         blocks = [m for m in engine.experts.routed.values() if isinstance(m, ExpertParallel)]
         # Sequence ranks route different tokens: the load is theirs together, so every rank
         # moves its bias and picks its hot experts alike.
@@ -732,6 +736,7 @@ def _observers(engine: ShardSpeedEngine) -> list[StepObserver]:
                 section.load_balance_coeff,
                 [m.routing_bias for m in blocks if hasattr(m, "routing_bias")],
                 section.hot_expert_replicas,
+                section.rebalance_interval,
             )
         )
     # Monitors write on rank 0; `enabled` is the same on every rank, so what it gates may
