@@ -798,10 +798,11 @@ def test_zero_to_fp32_reads_deepspeed_autoep_checkpoints(tag):
 # -- with Ulysses sequence parallelism ------------------------------------------------------------
 
 
-def ulysses_with_experts(stage: int) -> dict:
+def ulysses_with_experts(stage: int, autoep: int = 2) -> dict:
     """ALST's calls on a Qwen3-MoE model (register_with_transformers, initialize with its mpu,
-    the tutorial's loss) with the expert_parallel section: 2 ranks split each sequence and
-    share the experts. Each step's gradient norm and the final weights."""
+    the tutorial's loss) with the expert_parallel section: 2 ranks split each sequence, each
+    pair takes its own micro-batch (data parallelism on 4 ranks), and the experts spread over
+    `autoep` of the data x sequence ranks. Each step's gradient norm and the final weights."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from shardspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, shard_batch
@@ -813,13 +814,15 @@ def ulysses_with_experts(stage: int) -> dict:
         engine, *_ = shardspeed.initialize(
             model=model,
             model_parameters=model.parameters(),
-            config=ep_config(2, stage),
+            config=ep_config(autoep, stage),
             mpu=mpu,
         )
         group, rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
+        replica, replicas = engine.topology.dp_rank, engine.dp_world_size
         norms = []
         for step in range(STEPS):
-            ids = global_batch(step, 1)  # one replica: both ranks hold the same sequences
+            # The ranks of a sequence group hold the same sequences.
+            ids = global_batch(step, replicas)[replica * MICRO : (replica + 1) * MICRO]
             positions = torch.arange(ids.shape[1]).expand_as(ids)
             piece = shard_batch(
                 {"input_ids": ids, "labels": ids, "position_ids": positions}, rank, 2
@@ -830,10 +833,14 @@ def ulysses_with_experts(stage: int) -> dict:
                 labels=piece["shift_labels"],
                 shift_labels=piece["shift_labels"],
             )
-            losses = torch.distributed.nn.functional.all_gather(outputs.loss, group=group)
+            # The tutorial's token-weighted mean over the sequence group. As a sum (all_reduce):
+            # torch's differentiable all_gather scatters by global rank in its backward and
+            # fails in a group without rank 0.
             good = (piece["shift_labels"] != -100).sum()
-            counts = torch.distributed.nn.functional.all_gather(good, group=group)
-            loss = sum(part * count for part, count in zip(losses, counts)) / sum(counts)
+            total = good.clone()
+            torch.distributed.all_reduce(total, group=group)
+            weighted = outputs.loss * good
+            loss = torch.distributed.nn.functional.all_reduce(weighted, group=group) / total
             engine.backward(loss)
             engine.step()
             norms.append(float(engine.get_global_grad_norm()))
@@ -841,6 +848,19 @@ def ulysses_with_experts(stage: int) -> dict:
     finally:
         del ALL_ATTENTION_FUNCTIONS["sdpa"]  # transformers' own again, for the pool's next test
     return {"norms": norms, "weights": weights}
+
+
+@pytest.mark.parametrize(("autoep", "stage"), [(2, 2), (4, 3)])
+def test_ep_with_ulysses_sp2_by_dp2_on_4_ranks(pool4, autoep, stage):
+    """Sequence pairs {0, 1} and {2, 3}, each with its own micro-batch; experts over runs of the
+    data x sequence ranks (EP 2: the pairs; EP 4: all four). Weights and every step's gradient
+    norm equal one process training the 2 whole micro-batches (1e-5)."""
+    _, expected = reference("qwen3_moe", STEPS, 2, LR)
+    results = pool4.run(ulysses_with_experts, stage, autoep)
+    assert_same_weights(results[0]["weights"], expected, 1e-5)
+    expected_norms = reference_norms("qwen3_moe", STEPS, 2, LR)
+    for result in results:
+        assert result["norms"] == pytest.approx(expected_norms, rel=1e-5)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
