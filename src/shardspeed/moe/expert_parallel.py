@@ -173,11 +173,14 @@ class ExpertParallel:
 
     def slot_of(self) -> torch.Tensor | None:
         """Each expert's global slot (rank * local + row) when the experts were moved from their
-        own places (`rebalance.move_experts`), else None."""
-        slots = self.expert_slots
-        if torch.equal(slots, torch.arange(slots.numel(), device=slots.device)):
-            return None
-        return torch.argsort(slots)
+        own places (`place_slots`), else None."""
+        return self.moved_slot_of
+
+    def place_slots(self, slots: torch.Tensor) -> None:
+        """Record that global slot s now holds expert `slots[s]` (the data moved already)."""
+        self.expert_slots = slots.clone()
+        home = torch.equal(slots.cpu(), torch.arange(slots.numel()))  # once per move, not per step
+        self.moved_slot_of = None if home else torch.argsort(self.expert_slots)
 
     def take_window_counts(self) -> torch.Tensor | None:
         """The pairs routed to each expert by training forwards since the last call (None if
@@ -299,12 +302,12 @@ def shard_experts(
     if implementation is not None and hasattr(experts, "config"):
         experts.config = copy.copy(experts.config)  # this module's own choice, not the model's
         experts.config._experts_implementation = implementation
-    # Which expert each global slot holds: its own at first (moe/rebalance.py moves them).
-    experts.expert_slots = torch.arange(count, device=tensors[0][1].device)
     experts.expert_shard = ExpertShard(
         count, local, first, groups, cls.forward, token_peers, check_peers
     )
     experts.__class__ = _expert_parallel_class(cls)
+    # Which expert each global slot holds: its own at first (moe/rebalance.py moves them).
+    experts.place_slots(torch.arange(count, device=tensors[0][1].device))
     if groups.ep_size > 1:
         experts.register_state_dict_post_hook(_whole_experts)
         experts.register_load_state_dict_pre_hook(_local_experts)

@@ -47,7 +47,7 @@ class ExpertPlacement:
         on leaving, where they were: a checkpoint's pieces are runs of experts in order."""
         moved = [(m, m.expert_slots.clone()) for m in self._modules() if m.slot_of() is not None]
         for module, _ in moved:
-            move_experts(module, torch.arange(module.expert_shard.experts), optimizer)
+            move_experts(module, _home(module), optimizer)
         try:
             yield
         finally:
@@ -59,15 +59,22 @@ class ExpertPlacement:
         load, which writes them in order)."""
         for module in self._modules():
             if module.slot_of() is not None:
-                move_experts(module, torch.arange(module.expert_shard.experts), optimizer)
+                move_experts(module, _home(module), optimizer)
 
     def _modules(self) -> list[ExpertParallel]:
+        """The Hugging Face blocks' expert-parallel experts modules."""
         return [m for m in self.routed.values() if isinstance(m, ExpertParallel)]
 
     @property
     def ep_sizes(self) -> tuple[int, ...]:
         """The expert-parallel size of every MoE layer (the config's section says its own)."""
         return tuple(m.ep_size for m in self.layers.values())
+
+
+def _home(module: ExpertParallel) -> torch.Tensor:
+    """The placement with every expert in its own slot."""
+    slots = module.expert_slots
+    return torch.arange(slots.numel(), device=slots.device)
 
 
 def place_experts(

@@ -63,7 +63,7 @@ def move_experts(module: ExpertParallel, slots: torch.Tensor, optimizer: Any) ->
     source = (source_slot // local).cpu()  # per row: the rank it comes from
     for tensor, rows in _per_element_tensors(module, optimizer):
         _take_rows(tensor, rows, source, shard.groups.ep_group, ep)
-    module.expert_slots = slots.clone()
+    module.place_slots(slots)
 
 
 def _per_element_tensors(module: nn.Module, optimizer: Any) -> list[tuple[torch.Tensor, Any]]:
