@@ -1,15 +1,21 @@
-"""Dry runs at real size: the step-time model against published runs, and start-up cost against
-world size, on torch's fake process group (one rank of each world, on this machine's CPU).
+"""Dry runs at real size: the step-time model against published runs, start-up cost and
+checkpoint save and load cost against world size, on torch's fake process group (one rank of
+each world, on this machine's CPU).
 
-    .venv/bin/python benchmarks/bench_plan.py [published|startup]
+    .venv/bin/python benchmarks/bench_plan.py [published|startup|checkpoint [WORLD ...]]
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
+from pathlib import Path
 
+from shardspeed import comm
 from shardspeed.planning import Cluster, dry_run
+from shardspeed.planning.checkpoints import engine_as, file_opens, world_checkpoint
+from shardspeed.planning.dry_run import fake_world
 
 ZERO3 = {
     "bf16": {"enabled": True},
@@ -55,7 +61,55 @@ def startup() -> None:
             print(f"| {model} | {nodes * 8} | {time.perf_counter() - start:.1f} |", flush=True)
 
 
+# A small Llama-like model: what a rank reads at load and receives at save grows with the world,
+# not with the model (each file is written as its header, with holes for the tensors' bytes).
+SMALL = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+}
+
+
+def checkpoint(worlds: list[int]) -> None:
+    """Per rank (0, which validates the tag for every rank, and 1): the files a load opens and
+    the bytes the save's and load's collectives move through the rank."""
+    config = {**ZERO3, "train_micro_batch_size_per_gpu": 1,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}  # fmt: skip
+    print("| world | manifest (MB) | rank | load: files opened (opens) | load: collective bytes "
+          "| save: collective bytes | save + load (s) |")  # fmt: skip
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for world in worlds:
+        cluster = Cluster(max(1, world // 8), min(8, world))
+        root = Path(tempfile.mkdtemp())
+        tag = world_checkpoint(SMALL, config, cluster, root)
+        manifest = (tag / "manifest.json").stat().st_size / 1e6
+        for rank in (0, 1):
+            with fake_world(rank, cluster):
+                engine = engine_as(rank, SMALL, config)
+                start = time.perf_counter()
+                comm.reset_comm_volume()
+                with file_opens(root) as opens:
+                    engine.load_checkpoint(str(root))
+                loaded = sum(c["bytes"] for c in comm.comm_volume().values())
+                target = Path(tempfile.mkdtemp())
+                (target / ".saved.partial").mkdir()  # rank 0 makes it: in a dry run, no rank 0
+                comm.reset_comm_volume()
+                engine.save_checkpoint(str(target), tag="saved")
+                saved = sum(c["bytes"] for c in comm.comm_volume().values())
+                seconds = time.perf_counter() - start
+            print(f"| {world} | {manifest:.1f} | {rank} | {len(opens)} ({sum(opens.values())}) "
+                  f"| {loaded:,} | {saved:,} | {seconds:.2f} |", flush=True)  # fmt: skip
+
+
 if __name__ == "__main__":
     which = sys.argv[1:] or ["published", "startup"]
-    for part in which:
-        {"published": published, "startup": startup}[part]()
+    if which[0] == "checkpoint":
+        checkpoint([int(w) for w in which[1:]] or [8, 64, 512, 4096])
+    else:
+        for part in which:
+            {"published": published, "startup": startup}[part]()

@@ -171,3 +171,37 @@ def test_the_step_time_model_is_within_its_bound_of_published_runs(name):
     seconds = result.step_time(result.ranks[0]).total
     predicted = result.tokens_per_step / seconds / cluster.world_size
     assert abs(predicted / published - 1) < ERROR_BOUND, (predicted, published)
+
+
+def test_per_rank_checkpoint_reads_and_traffic_do_not_grow_with_the_world(tmp_path):
+    """The checkpoint of a whole world, each rank's part of the save run as that rank on the fake
+    group (files as headers, holes for the bytes). Rank 1's load opens the manifest, rank 0's
+    file and its own, at 4 ranks and 8 alike: rank 0 validates every file's header once and
+    shares its verdict. Rank 1's save sends its own report to rank 0 and receives only verdicts."""
+    from shardspeed import comm
+    from shardspeed.planning.checkpoints import engine_as, file_opens, world_checkpoint
+    from shardspeed.planning.dry_run import fake_world
+
+    opened, moved = {}, {}
+    for world in (4, 8):
+        cluster, root = Cluster(1, world), tmp_path / str(world)
+        world_checkpoint(LLAMA, ds_config(3), cluster, root)
+        for rank in (0, 1):
+            with fake_world(rank, cluster):
+                engine = engine_as(rank, LLAMA, ds_config(3))
+                with file_opens(root) as opens:
+                    engine.load_checkpoint(str(root))
+                target = tmp_path / f"saved{world}-{rank}"
+                (target / ".saved.partial").mkdir(parents=True)  # what rank 0 makes
+                comm.reset_comm_volume()
+                engine.save_checkpoint(str(target), tag="saved")
+                moved[world, rank] = comm.comm_volume()
+            opened[world, rank] = dict(opens)
+    files = {f"rank{r:05d}.safetensors" for r in range(8)}
+    assert set(opened[8, 0]) - files == {"latest", "manifest.json"} and files <= set(opened[8, 0])
+    assert opened[4, 1] == opened[8, 1]
+    assert set(opened[8, 1]) == {"latest", "manifest.json", *sorted(files)[:2]}
+    # Rank 1 gathers nobody's report; rank 0 receives all of them.
+    assert "all_gather" not in moved[8, 1] and moved[4, 1].keys() == moved[8, 1].keys()
+    gathered = {key: moved[key]["gather"]["bytes"] for key in moved}
+    assert gathered[8, 1] <= gathered[4, 1] < gathered[4, 0] < gathered[8, 0]

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..comm import get_rank, get_world_size
 from ..zero.offload import per_element
@@ -53,11 +54,13 @@ from .format import (
     TensorSource,
     check_tag_name,
     fsync_dir,
+    manifest_checksum,
+    parse_manifest,
     read_manifest,
     write_manifest,
     write_tensor_file,
 )
-from .values import all_gather_json, decode, encode
+from .values import all_gather_json, any_rank, broadcast_json, decode, encode, gather_json
 
 logger = logging.getLogger("shardspeed")
 LATEST = "latest"
@@ -101,11 +104,40 @@ def save_engine(
             shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
             partial.mkdir()
 
+    report = write_rank_files(engine, partial, client_state, exclude_frozen_parameters)
+    # The reports (what grows with the world) go to rank 0 alone, which writes the manifest;
+    # every rank learns rank 0's verdict: which ranks failed, then whether publishing did.
+    reports = gather_json(report)
+    failed: list[dict[str, Any]] = []
+    if reports is not None:
+        failed = [{"rank": r["rank"], "error": r["error"]} for r in reports if r["error"]]
+        if failed:
+            shutil.rmtree(partial, ignore_errors=True)
+    _raise_if_any_failed(broadcast_json(failed), doing)
+
+    outcome: dict[str, Any] = {"rank": 0, "error": None}
+    if reports is not None:
+        try:
+            publish_tag(engine, root, partial, tag, reports, save_latest, exclude_frozen_parameters)
+        except Exception as err:
+            shutil.rmtree(partial, ignore_errors=True)
+            outcome["error"] = _error_text(err)
+    _raise_if_any_failed([broadcast_json(outcome)], doing)
+    return True
+
+
+def write_rank_files(
+    engine: Any, partial: Path, client_state: dict[str, Any], exclude_frozen: bool
+) -> dict[str, Any]:
+    """This rank's part of a save (no collective): write its files into `partial` and report
+    them (files, the pieces they hold, its JSON state; rank 0's also the shared state), or the
+    error it met."""
+    rank = get_rank()
     report: dict[str, Any] = {"rank": rank, "error": None}
     try:
         files = _RankFiles(partial, rank)
         logical, report["rank_state"] = _collect(
-            engine, files, client_state if rank == 0 else None, exclude_frozen_parameters
+            engine, files, client_state if rank == 0 else None, exclude_frozen
         )
         files.flush(last=True)
         report["file"] = files.described
@@ -114,22 +146,7 @@ def save_engine(
             report["shared"] = report["rank_state"].pop("shared")
     except Exception as err:
         report["error"] = _error_text(err)
-    reports = all_gather_json(report)
-    if any(r["error"] for r in reports) and rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-    _raise_if_any_failed(reports, doing)
-
-    outcome: dict[str, Any] = {"rank": 0, "error": None}
-    if rank == 0:
-        try:
-            _publish_tag(
-                engine, root, partial, tag, reports, save_latest, exclude_frozen_parameters
-            )
-        except Exception as err:
-            shutil.rmtree(partial, ignore_errors=True)
-            outcome["error"] = _error_text(err)
-    _raise_if_any_failed(all_gather_json(outcome)[:1], doing)
-    return True
+    return report
 
 
 def _error_text(err: Exception) -> str:
@@ -153,31 +170,39 @@ def _agreed(doing: str) -> Iterator[None]:
         yield
     except Exception as err:
         report["error"] = _error_text(err)
-    _raise_if_any_failed(all_gather_json(report), doing)
+    # One integer each when all went well; every rank's error only when one failed.
+    if any_rank(report["error"] is not None):
+        _raise_if_any_failed(all_gather_json(report), doing)
 
 
 def _decided_by_rank_0(decide: Callable[[], Any], doing: str) -> Any:
-    """`decide()` run on rank 0 alone, its result (JSON) or its error shared with every rank."""
+    """`decide()` run on rank 0 alone, its result (JSON) or its error shared with every rank.
+    On torch's fake process group (a dry run) nothing reaches the other ranks: each decides."""
     found: dict[str, Any] = {"rank": 0, "value": None, "error": None}
-    if get_rank() == 0:
+    if get_rank() == 0 or _dry_run():
         try:
             found["value"] = decide()
         except Exception as err:
             found["error"] = _error_text(err)
-    found = all_gather_json(found)[0]
+    found = broadcast_json(found)
     _raise_if_any_failed([found], doing)
     return found["value"]
 
 
+def _dry_run() -> bool:
+    """Whether this runs on torch's fake process group (`shardspeed.planning`)."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
 def _agreed_tag(tag: str, mode: str) -> str:
     """Rank 0's tag, which every rank writes under; `tag_validation` says what a difference does."""
-    tags = all_gather_json(tag)
-    if len(set(tags)) > 1 and mode != "Ignore":
-        message = f"checkpoint tags differ between ranks: {tags}"
+    first = broadcast_json(tag)
+    if any_rank(tag != first) and mode != "Ignore":
+        message = f"checkpoint tags differ between ranks: {all_gather_json(tag)}"
         if mode == "Fail":
             raise CheckpointError(message + " (checkpoint.tag_validation is Fail)")
-        logger.warning(f"{message}; saving under rank 0's tag '{tags[0]}'")
-    return tags[0]
+        logger.warning(f"{message}; saving under rank 0's tag '{first}'")
+    return first
 
 
 class _RankFiles:
@@ -469,7 +494,7 @@ def _itemsize(dtype: str) -> int:
     return DTYPES[dtype].itemsize
 
 
-def _publish_tag(
+def publish_tag(
     engine: Any,
     root: Path,
     partial: Path,
@@ -696,6 +721,39 @@ def open_checkpoint(path: Path) -> tuple[dict[str, Any], TensorSource]:
     return manifest, TensorSource(reader, manifest["tensors"], manifest["splits"])
 
 
+def _open_validated_once(path: Path, doing: str) -> tuple[dict[str, Any], TensorSource]:
+    """`open_checkpoint` for every rank of a load, each rank's cost independent of the world:
+    rank 0 validates the tag (`read_manifest`: every file's size and header, every piece) and
+    shares its verdict, the manifest's checksum; every other rank parses the manifest and checks
+    that it is the one rank 0 validated, opening no other file."""
+    rank = get_rank()
+    verdict: dict[str, Any] = {"rank": 0, "error": None, "checksum": None}
+    manifest: Any = None
+    try:
+        manifest = read_manifest(path) if rank == 0 else parse_manifest(path)
+        verdict["checksum"] = manifest_checksum(manifest) if isinstance(manifest, dict) else None
+    except Exception as err:
+        verdict["error"] = _error_text(err)
+    mine = verdict["checksum"]
+    verdict = broadcast_json(verdict)
+    _raise_if_any_failed([verdict], doing)
+    with _agreed(doing):
+        if mine != verdict["checksum"]:
+            raise CheckpointError(
+                f"{path / MANIFEST} is not the manifest rank 0 validated (it changed while "
+                "loading, or this node sees another copy of the directory): load again, from a "
+                "directory every node sees alike"
+            )
+    reader = ByteReader(path, manifest["files"])
+    return manifest, TensorSource(reader, manifest["tensors"], manifest["splits"])
+
+
+def _rank_of_file(name: str) -> int | None:
+    """The saving rank of a file named by `rank_file` (or a later part of it), else None."""
+    stem = name.split(".")[0].split("-")[0]
+    return int(stem[4:]) if stem.startswith("rank") and stem[4:].isdigit() else None
+
+
 def load_engine(
     engine: Any,
     load_dir: str,
@@ -753,8 +811,7 @@ def _load(
         return None, None
     path = Path(load_dir) / name
     doing = f"loading checkpoint {path}"
-    with _agreed(doing):
-        manifest, source = open_checkpoint(path)
+    manifest, source = _open_validated_once(path, doing)
     if engine.run_config.checkpoint.load_universal:
         logger.info("checkpoint.load_universal: every shardspeed checkpoint is universal already")
     pieces = load_parameters(
@@ -765,7 +822,12 @@ def _load(
         manifest["written_by"]["exclude_frozen_parameters"],
     )
 
-    stored = StoredTensors(source.reader)
+    # The tensors a load restores from JSON sit in rank 0's files (client state, scheduler) and
+    # in this rank's (its RNG states): read those headers first, and no others unless needed.
+    rank = get_rank()
+    stored = StoredTensors(
+        source.reader, [n for n in manifest["files"] if _rank_of_file(n) in (0, rank)]
+    )
     read_extra = stored.get
 
     with _agreed(doing):  # also the load's last barrier

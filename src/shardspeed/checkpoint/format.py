@@ -20,6 +20,7 @@ import math
 import os
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,8 +83,10 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str,
     """
     from safetensors.torch import save_file
 
-    contiguous = {k: t.detach().contiguous().cpu() for k, t in tensors.items()}
-    save_file(contiguous, str(path))
+    if any(t.device.type == "meta" for t in tensors.values()):
+        _write_with_holes(path, tensors)
+    else:
+        save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, str(path))
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
     header, data_start = read_header(path)
@@ -101,6 +104,31 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str,
             if key != "__metadata__"
         },
     }
+
+
+def _write_with_holes(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A dry run's file (`shardspeed.planning`, on meta tensors): the safetensors header a real
+    save writes, host tensors' bytes (RNG states, scalars), and a hole (no disk used) where each
+    meta tensor's bytes would be, so that the file has its real size and layout."""
+    entries, end = {}, 0
+    for key, t in sorted(tensors.items()):
+        size = t.numel() * t.element_size()
+        entries[key] = {
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [end, end + size],
+        }
+        end += size
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # safetensors aligns the data to 8 bytes
+    start = 8 + len(header)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        for key, t in sorted(tensors.items()):
+            if t.device.type != "meta" and t.numel():
+                f.seek(start + entries[key]["data_offsets"][0])
+                f.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+        f.truncate(start + end)
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
@@ -431,20 +459,23 @@ class TensorSource:
 
 
 class StoredTensors:
-    """Tensors stored whole under their own key in some file of a tag (client state, RNG states)."""
+    """Tensors stored whole under their own key in some file of a tag (client state, RNG states).
+    Headers are read as keys are looked for, the files in `first` before the others, so a reader
+    that names where its keys are reads no other file's header."""
 
-    def __init__(self, reader: ByteReader) -> None:
+    def __init__(self, reader: ByteReader, first: Sequence[str] = ()) -> None:
         self.reader = reader
-        self._where: dict[str, tuple[str, int, dict[str, Any]]] | None = None
+        listed = list(reader.files or {})
+        self._unread = [*(n for n in first if n in listed), *(n for n in listed if n not in first)]
+        self._where: dict[str, tuple[str, int, dict[str, Any]]] = {}
 
     def get(self, key: str) -> torch.Tensor:
-        if self._where is None:
-            self._where = {}
-            for name in self.reader.files or {}:
-                header, start = self.reader.header(name)
-                for k, entry in header.items():
-                    if k != "__metadata__":
-                        self._where[k] = (name, start, entry)
+        while key not in self._where and self._unread:
+            name = self._unread.pop(0)
+            header, start = self.reader.header(name)
+            for k, entry in header.items():
+                if k != "__metadata__":
+                    self._where.setdefault(k, (name, start, entry))
         if key not in self._where:
             raise CheckpointError(f"{self.reader.directory}: no stored tensor '{key}'")
         name, start, entry = self._where[key]

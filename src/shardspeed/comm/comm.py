@@ -69,7 +69,7 @@ _seq = 0
 
 # Codes for what `_check_same_call` exchanges: the wrappers' operations, and torch's dtypes.
 _OPS = ("barrier", "all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-        "reduce", "all_to_all_single", "all_gather")  # fmt: skip
+        "reduce", "all_to_all_single", "all_gather", "gather")  # fmt: skip
 _DTYPES = sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)})
 _DTYPE_CODES = {name: code for code, name in enumerate(_DTYPES)}
 
@@ -916,6 +916,23 @@ def reduce(
     nbytes = _count("reduce", tensor, group)
     return _run(
         "reduce", group, async_op, dist.reduce, tensor, dst=dst, op=op, nbytes=nbytes,
+        payload=tensor, root=dst,
+    )  # fmt: skip
+
+
+def gather(
+    tensor: torch.Tensor,
+    outputs: list[torch.Tensor] | None,
+    dst: int,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    """Every rank's `tensor` into `outputs` on global rank `dst` (None elsewhere), in group order.
+    Counted as what moves through this rank: the gathered whole on `dst`, its input elsewhere."""
+    nbytes = tensor.numel() * tensor.element_size() * (1 if outputs is None else len(outputs))
+    _add("gather", group, nbytes)
+    return _run(
+        "gather", group, async_op, dist.gather, tensor, outputs, dst=dst, nbytes=nbytes,
         payload=tensor, root=dst,
     )  # fmt: skip
 
