@@ -85,6 +85,22 @@ def test_a_dry_run_reports_what_real_ranks_hold_and_send(pool2, pool4, case):
             assert got.flops_per_step == want["flops_per_step"]
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gradient_reduction_calls_do_not_grow_with_the_ranks_owning_a_bucket(stage):
+    """Buckets of 3,000 elements, param groups and stage-3 units of up to 16k: as on NCCL (the
+    dry run's default), each region holds at most a bucket and goes out as one reduce-scatter,
+    so a step makes as many calls at 64 ranks as at 4, none a reduce per owning rank."""
+    calls = {}
+    for cluster in (Cluster(1, 4), Cluster(8, 8)):
+        config = ds_config(stage)
+        config["zero_optimization"]["reduce_bucket_size"] = 3000
+        plan = dry_run(LLAMA, config, cluster, seq_len=SEQ, steps=1).ranks[0]
+        calls[cluster.world_size] = {
+            c.kind: c.count for c in plan.collectives if c.kind in ("reduce", "reduce_scatter")
+        }
+    assert calls[4] == calls[64] and set(calls[64]) == {"reduce_scatter"}
+
+
 # ZeRO-3 at real size: buckets as large as a 70B layer's unit, so each unit's gradients go out as
 # one reduce-scatter; a live-parameter limit that admits the embedding unit.
 REAL_SIZE = {

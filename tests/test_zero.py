@@ -696,3 +696,14 @@ def test_reduce_scatter_path_matches_reference(pool2, stage, extra):
         assert_close_relative(result["params"], want["params"], tol)
         assert "reduce" not in result["volume"]
         assert result["volume"]["reduce_scatter"]["calls"] > 0
+
+
+@pytest.mark.parametrize("stage", ["s1", "s2", "s3"])
+def test_buckets_smaller_than_a_param_group_still_go_out_as_reduce_scatters(pool2, stage):
+    # Buckets of 100 elements, param groups of 144 and 356: each group is sharded as regions of
+    # at most a bucket (one per bucket, its pieces in line with the shards), not as one region
+    # whose buckets would each go out as a reduce per owning rank.
+    small = {"zero_optimization": {**STAGES[stage]["zero_optimization"], "reduce_bucket_size": 100}}
+    for result in pool2.run(train_scattering, stage, small):
+        assert_close_relative(result["params"], reference(groups=True), 1e-5)
+        assert "reduce" not in result["volume"]

@@ -47,7 +47,7 @@ from .offload import OffloadOptions, SwappedStates
 from .offload_states import BACKWARD_NEEDS, OffloadStateTypeEnum, StateOffload
 from .partitioned import Stage3Options
 from .plan import ExpertParameters, Place, ShardPlan, TiedParameters, build_plan
-from .reducer import GradientReducer
+from .reducer import GradientReducer, reduces_by_scatter
 from .stores import GatherOptions, GradientArrivals, Stores, build_stores
 
 
@@ -155,7 +155,7 @@ class ZeroOptimizer:
             ties=ties,
             experts=experts,
             stage3=stage3,
-            sub_group_size=self.offload.sub_group_size,
+            sub_group_size=_largest_region(self.offload.sub_group_size, reduce, dp_group),
             whole_groups=whole_groups,
         )
         plan = self.plan
@@ -470,6 +470,17 @@ def _check_params(module: nn.Module, plan: ShardPlan, configured_stage: int) -> 
             "the model was built under zero.Init, which shards parameters for ZeRO stage "
             f"3, but the config asks for stage {configured_stage}"
         )
+
+
+def _largest_region(sub_group_size: int, reduce: ReduceOptions, group: Any) -> int:
+    """The most elements a region (a run of parameters sharded over the group as one) may hold.
+    Where gradients go out by reduce-scatter, at most a reduce bucket: a region is then one
+    bucket, whose pieces line up with the shards, and one reduce-scatter. A region spread over
+    several buckets would be sent as one reduce per owning rank of each bucket: thousands of
+    calls a step on thousands of ranks."""
+    if reduce.reduce_scatter and not reduce.quantized_gradients and reduces_by_scatter(group):
+        return min(sub_group_size, max(reduce.bucket_elements, 1))
+    return sub_group_size
 
 
 def _build_reducer(plan: ShardPlan, stores: Stores, options: ReduceOptions) -> GradientReducer:

@@ -8,10 +8,12 @@ whose hooks fire in a different order still issue the same sequence of collectiv
 Two collectives, one mechanism: `all_reduce` leaves the averaged bucket on every rank (stage 0, and
 ZeRO with `reduce_scatter: false`); `reduce` sends each piece of a bucket only to the rank whose
 shard holds it (ZeRO's reduce-scatter). Where the backend does that faster as one
-`reduce_scatter_tensor` (`_scatters`: NCCL, not gloo), sharded buckets end where regions end, and a
-bucket whose pieces line up with the shards (one per rank, equal, in rank order: typically a whole
-region) goes out as one; any other as one `reduce` per owner. Who owns which piece is worked out
-once, when the buckets are laid out.
+`reduce_scatter_tensor` (`reduces_by_scatter`: NCCL, not gloo), sharded buckets end where regions
+end, and a bucket whose pieces line up with the shards (one per rank, equal, in rank order: a whole
+region) goes out as one; any other as one `reduce` per owner. There the shard plan makes no region
+larger than a bucket (`optimizer._largest_region`), so each region is one bucket and one
+reduce-scatter, however many ranks own pieces of it. Who owns which piece is worked out once, when
+the buckets are laid out.
 
 ZeRO++'s quantized gradients (qgZ, `quantized`) change `reduce`: each rank quantizes each owner's
 part of a bucket to int4 in blocks (`quantize.BLOCK` values and one fp32 scale each), one
@@ -61,7 +63,7 @@ from .streams import CommStreams
 _GLOO_SCATTERS = False
 
 
-def _scatters(group: Any) -> bool:
+def reduces_by_scatter(group: Any) -> bool:
     """Whether a bucket whose pieces line up with the shards goes out as one reduce-scatter rather
     than one reduce per owner: the one place this choice is made, per backend."""
     return backend_of(group) != "gloo" or _GLOO_SCATTERS
@@ -169,7 +171,7 @@ class GradientReducer:
         ]
         # Where reduce-scatter is the faster, sharded buckets end where regions end, so that a
         # region that fits in a bucket is one bucket whose pieces line up with the shards.
-        cut_at_regions = self.collective == "reduce" and any(map(_scatters, self._groups))
+        cut_at_regions = self.collective == "reduce" and any(map(reduces_by_scatter, self._groups))
         first_bucket = []
         region = 0
         for index, (offset, numel) in enumerate(zip(self.layout.offsets, self.layout.numels)):
@@ -225,7 +227,9 @@ class GradientReducer:
         )
         lengths = {b - a for _, _, a, b, _ in pieces}
         in_rank_order = [rank for _, rank, *_ in pieces] == list(range(size))
-        bucket.scatter = size > 1 and in_rank_order and len(lengths) == 1 and _scatters(group)
+        bucket.scatter = (
+            size > 1 and in_rank_order and len(lengths) == 1 and reduces_by_scatter(group)
+        )
         if self.quantized and self.collective == "reduce" and size > 1:
             bucket.parts = tuple(
                 tuple((a - base, b - base) for _, rank, a, b, _ in pieces if rank == owner)
