@@ -1,5 +1,5 @@
 """Tensor parallelism through `initialize` (automatic, by name policy) alone and composed with data
-parallelism (ZeRO 0, 1, 2) and pipeline parallelism, each equal to the single-process fp32
+parallelism (ZeRO 0, 1, 2, 3) and pipeline parallelism, each equal to the single-process fp32
 reference after 5 steps; checkpoints reshard between tensor-parallel sizes."""
 
 from __future__ import annotations
@@ -56,6 +56,52 @@ def test_tensor_two_by_data_two(pool4, zero):
     _check(tm.join(pool4.run(tm.train_tp, 2, zero)), tm.reference(tm.MICRO * 2))
 
 
+def _whole_after_training(tp: int, zero: int) -> dict:
+    from shardspeed.checkpoint.sixteen_bit import consolidated_state_dict
+
+    engine = tm.train_tp(tp, zero, keep_engine=True)
+    return {"weights": consolidated_state_dict(engine), "norm": engine.get_global_grad_norm()}
+
+
+def _built_under_zero_init() -> dict:
+    """The GPT built under zero.Init (as Trainer builds a model for a ZeRO-3 config), then
+    AutoTP 2 x data 2 at ZeRO 3."""
+    from shardspeed.checkpoint.sixteen_bit import consolidated_state_dict
+
+    autotp = {"autotp_size": 2, "partition_config": {"layer_specs": tm.LAYER_SPECS}}
+    config = tm.config(2, zero_optimization={"stage": 3}, tensor_parallel=autotp)
+    with shardspeed.zero.Init(config_dict_or_path=config):
+        model = tm.GPT()
+    engine, *_ = shardspeed.initialize(model=model, config=config)
+    for step in range(tm.STEPS):
+        for ids, labels in tm.micro_batches(step, 2, engine.topology.dp_rank, 1):
+            engine.backward(tm.loss_fn(engine(ids), labels))
+            engine.step()
+    return consolidated_state_dict(engine)
+
+
+def test_a_model_built_under_zero_init_splits_for_autotp_at_zero3(pool4):
+    _check(pool4.run(_built_under_zero_init)[0], tm.reference(tm.MICRO * 2))
+
+
+def test_tensor_two_by_data_two_at_zero3(pool4):
+    """Each tensor-parallel rank's slices and its replicated weights partitioned over its
+    data-parallel peers: the whole weights equal the reference, and the gradient norm counts
+    replicated weights once (the same on every rank)."""
+    results = pool4.run(_whole_after_training, 2, 3)
+    _check(results[0]["weights"], tm.reference(tm.MICRO * 2))
+    model = tm.GPT()  # the reference's last gradient norm, before clipping
+    opt = torch.optim.AdamW(model.parameters(), lr=tm.LR, weight_decay=0.01)
+    for step in range(tm.STEPS):
+        ids, labels = tm.global_batch(step, tm.MICRO * 2)
+        tm.loss_fn(model(ids), labels).backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        opt.step()
+        opt.zero_grad()
+    for result in results:
+        assert float(result["norm"]) == pytest.approx(norm, rel=1e-5)
+
+
 def test_a_users_megatron_mpu(pool4):
     _check(tm.join(pool4.run(tm.train_with_mpu, 2)), tm.reference(tm.MICRO * 2))
 
@@ -65,10 +111,11 @@ def test_tensor_two_by_pipeline_two(pool4):
     _check(tm.join(results), tm.pipeline_reference(tm.MICRO * 2))
 
 
-def test_checkpoint_from_tensor_two_by_data_two_loads_at_one_rank(pool4, tmp_path):
+@pytest.mark.parametrize("zero", [1, 3])
+def test_checkpoint_from_tensor_two_by_data_two_loads_at_one_rank(pool4, tmp_path, zero):
     path = str(tmp_path / "ckpt")
     global_size = tm.MICRO * 2
-    pool4.run(tm.train_tp, 2, 1, global_size, path)
+    pool4.run(tm.train_tp, 2, zero, global_size, path)
     from shardspeed.testing import run_on_ranks
 
     [resumed] = run_on_ranks(tm.train_tp, 1, 1, 0, global_size, None, path)

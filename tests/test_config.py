@@ -616,10 +616,6 @@ RULE_TRIGGERS: dict[str, tuple[dict, RunFacts | None]] = {
         },
         None,
     ),
-    "stage 3 without automatic tensor parallelism": (
-        {"zero_optimization": {"stage": 3}},
-        RunFacts(autotp_size=2),
-    ),
     "experts without a pipeline": ({}, RunFacts(moe_ep_sizes=(2,), pipeline_stages=2)),
     "experts without stage 3": ({"zero_optimization": {"stage": 3}}, RunFacts(moe_ep_sizes=(2,))),
     "experts without hpZ": (

@@ -210,18 +210,6 @@ RULES: tuple[Rule, ...] = (
         needs=("pipeline_module",),
     ),
     Rule(
-        "stage 3 without automatic tensor parallelism",
-        "zero_optimization.stage",
-        lambda config, facts: (facts.autotp_size or 0) > 1 and _stage(config) == 3,
-        lambda config, facts: (
-            "'zero_optimization.stage' is 3, and shardspeed's ZeRO stage 3 does not combine with "
-            "automatic tensor parallelism ('tensor_parallel.autotp_size' "
-            f"{facts.autotp_size}) yet: use stage 1 or 2, which shard optimizer states (and "
-            "gradients) over each tensor-parallel rank's data-parallel peers"
-        ),
-        needs=("autotp_size",),
-    ),
-    Rule(
         "pipeline section for a PipelineModule",
         "pipeline",
         lambda config, facts: (

@@ -84,7 +84,11 @@ def initialize(
     _sequence_memory(model, run_config.sequence_parallel)
     if topology.tp_world_size > 1 and not pipelined and mpu is None:
         from ..tensor_parallel.from_config import apply_autotp
+        from ..zero.init import materialize
 
+        # A model built under zero.Init is whole again first: AutoTP slices whole weights (ZeRO
+        # 3 then partitions each rank's slices).
+        materialize(model.parameters())
         apply_autotp(model, topology.tp_group, run_config.tensor_parallel)
     _expert_parallel(model, run_config, topology)
     _log_run(run_config, topology)

@@ -284,7 +284,7 @@ def build_plan(
     places = (data, *(Place(e.group, e.rank, e.world_size) for e in experts))
     units: list[Unit] = []
     if stage == 3:
-        assert not (segments or ties), "initialize refuses ZeRO stage 3 with a pipeline"
+        assert not segments, "initialize refuses ZeRO stage 3 with a pipeline"
         place_of = {p: i + 1 for i, e in enumerate(experts) for p in e.params}
         params = [p for g in groups for p in g]
         units = plan_units(module, params, stage3 or Stage3Options(), place_of)
@@ -373,10 +373,14 @@ def _with_norm(
     laid out alike there) and the spans the norm counts, each with the weight its squares carry
     in the sum over the data-parallel group: 1 for shards; unsharded with expert weights, 1 / the
     number of ranks holding the same copy."""
-    tied = tuple(
-        (plan.owned_span(block_regions[b]), ties[t])
-        for b, t in enumerate(blocks.tie)
-        if t is not None
+    tied = (
+        _pieces_of_ties(plan, ties)
+        if plan.units
+        else tuple(
+            (plan.owned_span(block_regions[b]), ties[t])
+            for b, t in enumerate(blocks.tie)
+            if t is not None
+        )
     )
     uncounted = sorted(span for span, tie in tied if not tie.counted)
     total = plan.layout.total if not plan.sharded else plan.layout.shard_numel()
@@ -394,6 +398,24 @@ def _with_norm(
             if lo < hi:
                 spans.append((lo, hi, weights[place]))
     return replace(plan, ties=tied, norm_spans=tuple(_merged(spans)))
+
+
+def _pieces_of_ties(
+    plan: ShardPlan, ties: Sequence[TiedParameters]
+) -> tuple[tuple[tuple[int, int], TiedParameters], ...]:
+    """Stage 3: tied weights sit inside the gather units, which are laid out alike on the ranks
+    of a tie (tensor-parallel peers hold slices of one size): each piece of them this rank owns,
+    in owned coordinates, in order."""
+    index = {p: i for i, p in enumerate(plan.params)}
+    pieces = []
+    for tie in ties:
+        for param in tie.params:
+            if param not in index:
+                continue  # frozen: nothing to sum or count
+            for k, _, offset, length in plan.fragments(index[param]):
+                start = plan.masters[k].owned + offset
+                pieces.append(((start, start + length), tie))
+    return tuple(sorted(pieces, key=lambda piece: piece[0]))
 
 
 def managed_groups(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
