@@ -23,6 +23,10 @@ the router and the attention before it see whole, replicated gradients), and the
 joined again after the combine (`gather_from_row_region`). Every token then reaches its experts
 once, from one peer.
 
+On meta tensors (a dry run, `shardspeed.planning`) the router gives shapes but no values: the
+counts of step 2 are then the stated routing's (`stated_routing`: balanced by default, every
+expert `pairs / experts` rows), alike on every rank, and the rest runs as it does on a GPU.
+
 Routing is untouched (the block's router runs as it does without EP), so router logits, the
 auxiliary loss and shared experts come out as the model returns them. `state_dict()` gives the
 experts whole under their own names (gathered over the expert group, so every rank of it calls
@@ -92,7 +96,7 @@ class ExpertParallel:
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         shard = self.expert_shard
-        counts = torch.bincount(top_k_index.reshape(-1), minlength=shard.experts)
+        counts = _rows_per_expert(top_k_index, shard.experts)
         self.last_counts = counts.detach()  # the routing this rank asked for (`expert_load`)
         if torch.is_grad_enabled():  # a training forward: its load counts for balancing
             window = getattr(self, "window_counts", None)
@@ -112,7 +116,7 @@ class ExpertParallel:
             scatter_to_row_region(hidden_states, peers),
             index,
             scatter_to_row_region(top_k_weights, peers),
-            torch.bincount(index.reshape(-1), minlength=shard.experts),
+            _rows_per_expert(index, shard.experts),
         )
         return gather_from_row_region(out, total, peers)
 
@@ -149,13 +153,15 @@ class ExpertParallel:
         token = order // choices  # pair p is token p // k's choice p % k
         received = torch.empty_like(counts)
         all_to_all_single(received, counts, group=group)  # [source rank, local expert]
+        if flat.is_meta:  # a dry run: every rank routes by the stated routing, as this one
+            received = counts.view(size, local)[shard.groups.ep_rank].repeat(size)
         sizes = torch.stack([counts.view(size, local).sum(1), received.view(size, local).sum(1)])
         send, receive = sizes.tolist()
         rows = hidden_states.index_select(0, token)
         sent = sum(send)
         rows = _AllToAllRows.apply(group, rows[:sent], send, receive), rows[sent:]
-        local_expert = torch.arange(local, device=flat.device).repeat(size)
-        local_expert = local_expert.repeat_interleave(received)
+        local_expert = torch.arange(local, device=received.device).repeat(size)
+        local_expert = local_expert.repeat_interleave(received).to(flat.device)
         if copies:  # the hot rows run as experts local, local + 1, ... after this rank's own
             hot_expert = local + torch.arange(hot.numel(), device=flat.device)
             local_expert = torch.cat([local_expert, hot_expert.repeat_interleave(hot_counts)])
@@ -179,7 +185,8 @@ class ExpertParallel:
     def place_slots(self, slots: torch.Tensor) -> None:
         """Record that global slot s now holds expert `slots[s]` (the data moved already)."""
         self.expert_slots = slots.clone()
-        home = torch.equal(slots.cpu(), torch.arange(slots.numel()))  # once per move, not per step
+        # Once per move, not per step; on meta tensors (a dry run) the experts stay home.
+        home = slots.is_meta or torch.equal(slots.cpu(), torch.arange(slots.numel()))
         self.moved_slot_of = None if home else torch.argsort(self.expert_slots)
 
     def take_window_counts(self) -> torch.Tensor | None:
@@ -205,6 +212,27 @@ class ExpertParallel:
         if hasattr(self, "last_rows"):  # rows this rank's experts (and hot copies) computed
             load["rows_computed"] = self.last_rows
         return load
+
+
+def balanced_routing(pairs: int, experts: int) -> torch.Tensor:
+    """Rows per expert when each of `experts` gets `pairs / experts` of a block's (token, choice)
+    pairs (the first ones one more where they do not divide)."""
+    counts = torch.full((experts,), pairs // experts, dtype=torch.long)
+    counts[: pairs % experts] += 1
+    return counts
+
+
+# The routing a dry run states (`shardspeed.planning`): meta tensors carry no router values, so
+# each block's rows per expert come from this, on every rank alike, from (pairs, experts).
+stated_routing = balanced_routing
+
+
+def _rows_per_expert(top_k_index: torch.Tensor, experts: int) -> torch.Tensor:
+    """How many of the (token, choice) pairs chose each expert: counted, or on meta tensors the
+    stated routing's, on the host (the split sizes it gives are read there anyway)."""
+    if top_k_index.is_meta:
+        return stated_routing(top_k_index.numel(), experts)
+    return torch.bincount(top_k_index.reshape(-1), minlength=experts)
 
 
 def _check_same_routing(index: torch.Tensor, weights: torch.Tensor, peers: Any) -> None:
