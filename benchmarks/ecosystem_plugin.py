@@ -93,7 +93,7 @@ def _message(report) -> str:
 
 
 def _write(test_id: str, outcome: str, message: str) -> None:
-    line = {"id": test_id, "outcome": outcome, "message": message.strip().split("\n")[0][:300]}
+    line = {"id": test_id, "outcome": outcome, "message": " ".join(message.split())[:300]}
     with open(os.environ["ECOSYSTEM_OUT"], "a") as out:
         out.write(json.dumps(line) + "\n")
 
