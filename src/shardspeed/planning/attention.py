@@ -51,7 +51,14 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                enable_gqa: bool = False) -> torch.Tensor:  # fmt: skip
     del dropout_p, enable_gqa  # dropout changes no shape; flash takes grouped heads as they are
     # A mask (padding, or a causal mask written out) is attention over the same shapes.
-    return _Flash.apply(query, key, value, is_causal or attn_mask is not None, scale)
+    causal = is_causal or attn_mask is not None
+    width = value.shape[-1]
+    if width == query.shape[-1]:
+        return _Flash.apply(query, key, value, causal, scale)
+    # Flash takes one head size: a narrower value (DeepSeek's MLA) is padded to the query's and
+    # the output cut back, as transformers does for its flash-attention path.
+    wide = F.pad(value, [0, query.shape[-1] - width])
+    return _Flash.apply(query, key, wide, causal, scale)[..., :width]
 
 
 @contextmanager
