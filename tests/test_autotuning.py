@@ -260,6 +260,40 @@ def test_plan_prunes_over_the_memory_limit_and_ranks_by_throughput() -> None:
     assert latency_first.step_time_s == min(e.step_time_s for e in plan.ranked)
 
 
+def test_before_any_trial_the_step_time_model_ranks_the_layouts() -> None:
+    """An 8B model (8,192 tokens a sample) on 8 nodes of 8 H100s, batch 512, ZeRO 0-3 at
+    micro-batches 1-4. Given the cluster, the planner ranks before any trial by the step-time
+    model's prediction for each layout (its FLOPs and ZeRO collectives, `step_inputs`). On
+    inter-node links 50 times slower, the layouts that move the model's bytes least often lead:
+    stages 0 and 1 (twice a step), then stage 2 (once a micro-step, plus the gather), larger
+    micro-batches first, and stage 3 (three times a micro-step) last at each micro-batch."""
+    from shardspeed.autotuning.step_time import step_time
+    from shardspeed.autotuning.systems import Cluster
+
+    candidates = enumerate_candidates(range(4), [1, 2, 4], 64, train_batch_size=512)
+    slow = (("inter_node_bw", 5e8),)
+    for cluster in (Cluster(8, 8, "H100-SXM"), Cluster(8, 8, "H100-SXM", overrides=slow)):
+        planner = Planner(num_params=8 * 10**9, dp_size=64, precision="bf16",
+                          tokens_per_sample=8192, cluster=cluster)  # fmt: skip
+        ranked = planner.plan(candidates, None).ranked
+        predicted = [
+            e.candidate.train_batch / step_time(planner.step_inputs(e.candidate), cluster).total
+            for e in ranked
+        ]
+        assert [e.throughput for e in ranked] == pytest.approx(predicted, rel=1e-9)
+        assert predicted == sorted(predicted, reverse=True) and len(ranked) == len(candidates)
+    order = [(e.candidate.stage, e.candidate.micro_batch) for e in ranked]
+    assert {stage for stage, _ in order[:6]} == {0, 1}
+    stage_2 = [micro for stage, micro in order if stage == 2]
+    assert stage_2 == [4, 2, 1]
+    for micro in (1, 2, 4):
+        slowest = [stage for stage, m in order if m == micro][-1]
+        assert slowest == 3
+    # The memory model prunes as before: stage 3's 16 bytes a parameter over 64 ranks fit in 4 GB.
+    fits = planner.plan(candidates, 4 * 2**30).ranked
+    assert {e.candidate.stage for e in fits} == {3}
+
+
 def test_candidates_keep_the_batch_constraints() -> None:
     assert micro_batch_sizes(3, 20, 5) == [3, 4, 5, 8, 16, 20]
     assert micro_batch_sizes(1, 1024, [8, 2, 8]) == [2, 8]

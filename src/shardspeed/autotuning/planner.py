@@ -30,6 +30,11 @@ parameter, s the ZeRO stage, m the micro-batch, g the accumulation steps and T t
   one all-reduce a step; stage 1 a reduce to the owners a step plus the all-gather of the updated
   shards; stage 2 the reduce every micro-step plus the all-gather; stage 3 per micro-step a gather
   for forward, one for backward and the reduce.
+
+Before any trial, given the `cluster` the job will run on, the estimates come from the step-time
+model instead (`step_time.py`, the one a dry run's plan uses): the same FLOPs at the GPU kind's
+stated efficiency, and the same collectives, each by alpha-beta over the data-parallel group's
+link with the overlap the engine does, so layouts are ranked before anything is launched.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shardspeed.zero.estimate import model_state_bytes
+
+from .step_time import StepInputs, step_time
+from .systems import Cluster
 
 STAGES = (0, 1, 2, 3)
 _WIDTH = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -207,6 +215,7 @@ class Planner:
     micro_step_s: Mapping[int, float] = field(default_factory=dict)
     activation_bytes_per_sample: float = 0.0
     runtime_bytes: float = 0.0
+    cluster: Cluster | None = None  # where the job runs: estimates before any calibration
 
     @property
     def params_per_rank(self) -> float:
@@ -229,6 +238,35 @@ class Planner:
         steps = candidate.grad_accum
         passes = {0: 2, 1: 2, 2: steps + 1, 3: 3 * steps}[candidate.stage]
         return passes * share
+
+    def step_inputs(self, candidate: Candidate) -> StepInputs:
+        """`candidate`'s step as the step-time model takes it: the forward and backward FLOPs
+        (6 per parameter and token) and `comm_bytes`' passes as collectives over the
+        data-parallel group (ranks `mp_size` apart), each of `w * P` bytes a call."""
+        payload = _WIDTH[self.precision] * self.params_per_rank
+        steps = candidate.grad_accum
+        calls = {
+            0: {"all_reduce": 1},
+            1: {"reduce_scatter": 1, "all_gather": 1},
+            2: {"reduce_scatter": steps, "all_gather": 1},
+            3: {"all_gather": 2 * steps, "reduce_scatter": steps},
+        }[candidate.stage]
+        collectives = []
+        if self.dp_size > 1:
+            assert self.cluster is not None, "the step-time model needs the cluster"
+            ranks = tuple(range(0, self.dp_size * self.mp_size, self.mp_size))
+            link = self.cluster.link_class(ranks)
+            collectives = [
+                (kind, self.dp_size, link, int(count * payload), count)
+                for kind, count in calls.items()
+            ]
+        return StepInputs(
+            flops=6 * self.params_per_rank * self.tokens_per_sample * candidate.samples_per_rank,
+            collectives=collectives,
+            data_parallel=self.dp_size,
+            zero_stage=candidate.stage,
+            micro_batches=steps,
+        )
 
     def comm_s(self, candidate: Candidate) -> float:
         traffic = self.comm_bytes(candidate)
@@ -255,7 +293,12 @@ class Planner:
 
     def estimate(self, candidate: Candidate) -> Estimate:
         if self.flops_per_s is None:
-            raise ValueError("the planner is not calibrated: call calibrate() with a measurement")
+            if self.cluster is None:
+                raise ValueError(
+                    "the planner is not calibrated: call calibrate() with a measurement, or give "
+                    "it the cluster to estimate with the step-time model"
+                )
+            return self._predicted(candidate)
         flops = 6 * self.params_per_rank * self.tokens_per_sample * candidate.samples_per_rank
         overhead = self.micro_step_time(candidate.stage) * candidate.grad_accum
         return Estimate(
@@ -266,6 +309,21 @@ class Planner:
             compute_s=flops / self.flops_per_s + overhead,
             comm_s=self.comm_s(candidate),
             optimizer_s=self.optimizer_s(candidate),
+        )
+
+    def _predicted(self, candidate: Candidate) -> Estimate:
+        """The step-time model's estimate on `cluster` (no measurement yet: no runtime or
+        activation memory is known beyond what the planner was given)."""
+        assert self.cluster is not None
+        time = step_time(self.step_inputs(candidate), self.cluster)
+        return Estimate(
+            candidate,
+            model_state_bytes=self.model_states(candidate)["device_total"],
+            runtime_bytes=self.runtime_bytes,
+            activation_bytes=self.activation_bytes_per_sample * candidate.micro_batch,
+            compute_s=time.compute + time.bubble,
+            comm_s=time.exposed_communication,
+            optimizer_s=time.offload,
         )
 
     def calibrate(self, measurements: Sequence[Measurement]) -> Planner:
