@@ -141,6 +141,17 @@ _warned: set[str] = set()
 _logger = logging.getLogger("shardspeed")
 
 
+def _use_local_gpu(asked: str | None) -> None:
+    """NCCL's device for this rank: the GPU of its local rank (there must be one)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"init_distributed(dist_backend={asked!r}): the nccl backend needs a CUDA GPU and "
+            "this machine has none: pass dist_backend='gloo' (or leave it out: shardspeed picks "
+            "gloo where there is no GPU)"
+        )
+    torch.cuda.set_device(get_local_rank())
+
+
 def default_backend() -> str:
     """The process group backend that suits this process's accelerator (nccl on CUDA, else gloo)."""
     from ..accelerator import get_accelerator
@@ -205,13 +216,7 @@ def init_distributed(
     if world_size > 0:
         kwargs["world_size"] = world_size
     if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                f"init_distributed(dist_backend={dist_backend!r}): the nccl backend needs a CUDA "
-                "GPU and this machine has none: pass dist_backend='gloo' (or leave it out: "
-                "shardspeed picks gloo where there is no GPU)"
-            )
-        torch.cuda.set_device(get_local_rank())
+        _use_local_gpu(dist_backend)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's static rendezvous hands every restart the store of the first attempt, keys and
