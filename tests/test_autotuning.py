@@ -655,3 +655,19 @@ def test_the_engine_measures_trials(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     best = max(measured, key=lambda t: t["measured_throughput"])
     optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
     assert optimal["train_micro_batch_size_per_gpu"] == best["micro_batch"]
+
+
+def test_a_trial_writes_its_launch_files_while_it_runs(tmp_path):
+    """An MPI launch's hostfile (`Launch.files`) exists while a trial's processes run and is
+    removed after, as for a plain launch."""
+    import sys
+
+    from shardspeed.autotuning.tuner import run_processes
+    from shardspeed.launcher.runner import Launch
+
+    hostfile = tmp_path / "hostfile"
+    check = f"import os, sys; sys.exit(0 if os.path.exists({str(hostfile)!r}) else 3)"
+    launch = Launch([sys.executable, "-c", check], {}, False, files={str(hostfile): "h slots=1"})
+    status, _ = run_processes([launch], tmp_path, tmp_path / "result.json", 60, 1)
+    assert status == "no metrics"  # exited 0: the file was there
+    assert not hostfile.exists()

@@ -291,6 +291,7 @@ def run_processes(
     with (
         open(directory / "stdout.log", "wb") as out,
         open(directory / "stderr.log", "wb") as err,
+        runner.written_files(launches),  # an MPI launch's hostfile
     ):
         processes = [
             # A session of its own, so that stopping it reaches torchrun's workers too.
@@ -325,6 +326,8 @@ def run_processes(
                     return "timeout", None
                 time.sleep(0.05)
         finally:
+            for launch, process in zip(launches, processes):
+                runner.send_stop(launch, process)  # pdsh stops its nodes' ranks on two SIGINTs
             _stop(processes, grace_s)
 
 

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 from shardspeed.common.net import free_port, port_is_free
@@ -597,10 +597,34 @@ def run_launches(
     Returns 0 when all succeed; the first non-zero status stops the others and is returned.
     `pid_file` holds the started processes' pids, one a line, while they run.
     """
+    with written_files(launches):
+        return _run(launches, grace_s, pid_file)
+
+
+@contextlib.contextmanager
+def written_files(launches: Sequence[Launch]) -> Iterator[None]:
+    """The launches' files (an MPI hostfile) written for as long as they run, removed after."""
     files = {path: text for launch in launches for path, text in launch.files.items()}
     for path, text in files.items():
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(text)
+    try:
+        yield
+    finally:
+        for path in files:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+
+def send_stop(launch: Launch, process: subprocess.Popen) -> None:
+    """What stops `launch` early, sent to its `process` while it runs (pdsh: two SIGINTs)."""
+    for number, signum in enumerate(launch.stop):
+        if process.poll() is None:
+            time.sleep(0.2 if number else 0)
+            process.send_signal(signum)
+
+
+def _run(launches: Sequence[Launch], grace_s: float, pid_file: str | None) -> int:
     processes = [
         # ssh gets no stdin: several clients must not fight over this terminal.
         subprocess.Popen(
@@ -633,19 +657,16 @@ def run_launches(
             # A handler installed outside Python reads back as None; the default is the best restore.
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         for launch, process in zip(launches, processes):
-            for number, signum in enumerate(launch.stop):
-                if process.poll() is None:
-                    time.sleep(0.2 if number else 0)
-                    process.send_signal(signum)
+            send_stop(launch, process)
         for process in processes:
             try:
                 process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        for path in [*files, *([pid_file] if pid_file else [])]:
+        if pid_file:
             with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
+                os.remove(pid_file)
 
 
 def main(argv: list[str] | None = None) -> int:
