@@ -317,28 +317,43 @@ def _failed_load(directories: list[str], stage: int) -> tuple[float, str]:
 
 
 def test_a_load_failing_on_one_rank_fails_on_every_rank_within_seconds(pool2, saved, tmp_path):
-    """Rank 1's copy is valid as a file (checksum rewritten) but holds a tensor of another shape
-    than the model's: only rank 1 finds out, while reading parameters; rank 0 must not go on
-    into the collectives that publish them."""
+    """Rank 1's copy of its own shard file has a corrupt data block: rank 0 validates the tag
+    (headers, not every block) and finds nothing; only rank 1 finds out, while reading its
+    parameters, and rank 0 must not go on into the collectives that publish them."""
     both = saved["root"] / "new_tag" / "ckpt"
     seen_by_0, seen_by_1 = tmp_path / "rank0_view", tmp_path / "rank1_view"
     shutil.copytree(both, seen_by_0)
     shutil.copytree(both, seen_by_1)
-    manifest = json.loads((seen_by_1 / "t2" / "manifest.json").read_text())
-    name = next(n for n, e in manifest["tensors"].items() if len(e["shape"]) == 2)
-    param = name.split("/")[-1]
-    for key, entry in manifest["tensors"].items():  # the parameter and its optimizer states
-        if key.split("/")[-1] == param:
-            entry["shape"] = entry["shape"][::-1]  # same element count: the pieces still cover it
-    del manifest["checksum"]
-    write_manifest(seen_by_1 / "t2", manifest)
+    shard = seen_by_1 / "t2" / "rank00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # the last byte: tensor data, past the header
+    shard.write_bytes(bytes(data))
     failed = pool2.run(_failed_load, [str(seen_by_0), str(seen_by_1)], 2, timeout=60)
     (seconds_0, message), (seconds_1, message_1) = failed
     # The same error (rank 1's), each rank naming the directory it was given.
     assert max(seconds_0, seconds_1) < 5
     assert message.split(" failed (", 1)[1] == message_1.split(" failed (", 1)[1]
-    assert "rank 1: " in message and f"tensors['param/{param}'].shape" in message, message
+    assert "rank 1: " in message and f"{shard}: checksum mismatch" in message, message
     assert "rank 0: " not in message, message
+
+
+def test_a_rank_that_sees_another_manifest_than_rank_0_fails_the_load_everywhere(
+    pool2, saved, tmp_path
+):
+    """Rank 0 validates the tag once for every rank; a rank whose manifest is not the one rank 0
+    validated (another copy, edited here with its checksum rewritten) refuses it, on every rank."""
+    both = saved["root"] / "new_tag" / "ckpt"
+    seen_by_0, seen_by_1 = tmp_path / "rank0_view", tmp_path / "rank1_view"
+    shutil.copytree(both, seen_by_0)
+    shutil.copytree(both, seen_by_1)
+    manifest = json.loads((seen_by_1 / "t2" / "manifest.json").read_text())
+    manifest["counters"]["global_steps"] += 1
+    del manifest["checksum"]
+    write_manifest(seen_by_1 / "t2", manifest)
+    failed = pool2.run(_failed_load, [str(seen_by_0), str(seen_by_1)], 2, timeout=60)
+    (_, message), (_, message_1) = failed
+    assert message.split(" failed (", 1)[1] == message_1.split(" failed (", 1)[1]
+    assert "rank 1: " in message and "is not the manifest rank 0 validated" in message, message
 
 
 # --- one tag for all ranks --------------------------------------------------------------------------
