@@ -242,15 +242,17 @@ def is_deepspeed_checkpoint(tag_dir: Path) -> bool:
 def deepspeed_tag_dir(load_dir: Path, tag: str | None) -> Path | None:
     """The DeepSpeed tag directory `load_dir` and `tag` name (`latest`, else `latest_universal`),
     or None when they name no DeepSpeed checkpoint."""
+    named_by = None
     if tag is None:
         for pointer in (LATEST, "latest_universal"):
             if (load_dir / pointer).exists():
                 tag = (load_dir / pointer).read_text().strip()
+                named_by = f"{load_dir / pointer} names '{tag}', which"
                 break
         else:
             return None
     tag = str(tag)
-    check_tag_name(tag, load_dir)
+    check_tag_name(tag, load_dir, named_by)
     path = load_dir / tag
     return path if is_deepspeed_checkpoint(path) else None
 
