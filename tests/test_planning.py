@@ -16,6 +16,15 @@ import shardspeed
 from shardspeed.planning import Cluster, build_model, dry_run, measure_rank
 from shardspeed.planning.models import causal_lm_batch
 
+
+@pytest.fixture(autouse=True)
+def no_process_group() -> None:
+    """A dry run starts its own (fake) process group in this process and refuses to replace a
+    live one: an earlier test of the suite may have left its one-process group here."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 SEQ = 16
 LLAMA = {
     "model_type": "llama",
