@@ -166,6 +166,50 @@ def _one_process_stage3() -> dict:
     return {"statuses": statuses, "numels": numels, "params": params}
 
 
+def _persistent_status() -> dict:
+    """A large and a small layer at ZeRO 3 (default persistence threshold) on one process: each
+    parameter's (shape, status, ds_persist) after initialize and after one step."""
+    model = torch.nn.Sequential(torch.nn.Linear(768, 768), torch.nn.Linear(768, 8))
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}  # fmt: skip
+    engine, *_ = shardspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+
+    def seen() -> dict:
+        return {
+            n: (tuple(p.shape), str(p.ds_status), p.ds_persist) for n, p in model.named_parameters()
+        }
+
+    before = seen()
+    engine.backward(engine(torch.randn(1, 768)).sum())
+    engine.step()
+    return {"before": before, "after": seen()}
+
+
+def test_stage3_persistent_parameters_are_partitioned_until_the_first_forward() -> None:
+    """What DeepSpeed 0.19.8 shows (checked on it): after initialize every parameter is empty
+    and NOT_AVAILABLE, those under stage3_param_persistence_threshold marked ds_persist; from
+    the first forward on those stay whole. PEFT's ZeRO-3 save warning reads this."""
+    from shardspeed.testing import RankPool
+
+    with RankPool(1) as pool:
+        (result,) = pool.run(_persistent_status)
+    absent, whole = str(ZeroParamStatus.NOT_AVAILABLE), str(ZeroParamStatus.AVAILABLE)
+    assert result["before"] == {
+        "0.weight": ((0,), absent, False),
+        "0.bias": ((0,), absent, True),
+        "1.weight": ((0,), absent, True),
+        "1.bias": ((0,), absent, True),
+    }
+    assert result["after"] == {
+        "0.weight": ((0,), absent, False),
+        "0.bias": ((768,), whole, True),
+        "1.weight": ((8, 768), whole, True),
+        "1.bias": ((8,), whole, True),
+    }
+
+
 def test_stage3_on_one_process_keeps_parameters_partitioned() -> None:
     """As at any world size (DeepSpeed's too): outside a unit's use a parameter is empty and
     NOT_AVAILABLE, with its whole shape in ds_shape; and training equals the reference."""

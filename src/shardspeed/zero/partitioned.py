@@ -139,9 +139,9 @@ class Stage3Options:
 
 @dataclass
 class Unit:
-    """Parameters gathered together; `modules` are where its forward hooks go (none if
-    persistent); `place` is the plan's place of its parameters (0: the data-parallel group; an
-    expert layer's: its expert-data group), whose group gathers it."""
+    """Parameters gathered together; `modules` are where its forward hooks go (the persistent
+    unit's: the model, for its first forward); `place` is the plan's place of its parameters (0:
+    the data-parallel group; an expert layer's: its expert-data group), whose group gathers it."""
 
     params: list[nn.Parameter]
     modules: list[nn.Module] = field(default_factory=list)
@@ -245,7 +245,9 @@ def plan_units(
     units = [
         *(unit for root_units in reversed(per_root[:-1]) for unit in root_units),
         *per_root[-1],
-        Unit(persistent, persistent=True, name="(persistent)"),
+        # Hooked on the model itself: gathered at the first forward, as DeepSpeed gathers its
+        # persistent parameters (before it they are partitioned like the rest), then kept.
+        Unit(persistent, [module], persistent=True, name="(persistent)"),
     ]
     assert sum(len(u.params) for u in units) == len(managed)
     return [u for u in units if u.params or u.persistent]
@@ -430,6 +432,7 @@ class ShardedParameters:
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         for i, p in enumerate(params):  # DeepSpeed's record of the whole tensor, which PEFT reads
             p.ds_shape, p.ds_numel = self.layout.shapes[i], self.layout.numels[i]
+            p.ds_persist = units[self.unit_of[i]].persistent
         self.hook_handles: list[Any] = []
         self.register_hooks()
 
@@ -485,6 +488,7 @@ class ShardedParameters:
         node-local (hpZ). An exact gather of a unit whose whole copy is lossy gathers it again.
         """
         self._kept.discard(u)
+        exact = exact or self.units[u].persistent  # DeepSpeed gathers those unquantized
         if u in self._in_flight:
             self._land(u)
         if u in self.buffers and (not exact or u not in self._lossy):
@@ -666,12 +670,14 @@ class ShardedParameters:
         self.buffers.pop(u).untyped_storage().resize_(0)
 
     def refresh_persistent(self) -> None:
-        """Re-gather the persistent unit after the shards changed (the optimizer stepped), exactly
-        (DeepSpeed gathers persistent parameters unquantized); hpZ's secondary pieces are stale."""
+        """Re-gather the persistent unit after the shards changed (the optimizer stepped, a load),
+        exactly (DeepSpeed gathers persistent parameters unquantized), if it was gathered: before
+        the first forward it stays partitioned, as DeepSpeed's does. hpZ's secondary pieces are
+        stale."""
         self._secondary_valid.clear()
         for u, unit in enumerate(self.units):
-            if unit.persistent:
-                self.buffers.pop(u, None)
+            if unit.persistent and u in self.buffers:
+                self.buffers.pop(u)
                 self.gather(u)
 
     def start_backward_accounting(self) -> None:

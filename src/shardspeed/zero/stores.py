@@ -340,7 +340,6 @@ class ShardedParams:
             stage3,
             device,
         )
-        self.sharded_params.refresh_persistent()
         self.gradient_done = self.sharded_params.gradient_done
 
     def _shard_store(
