@@ -64,6 +64,7 @@ def _skip(reason: str = "", *, allow_module_level: bool = False, **kwargs) -> No
     _pytest_skip(reason, allow_module_level=allow_module_level, **kwargs)
 
 
+# Code that catches `pytest.skip.Exception` must still see pytest's own: every other skip raises.
 _skip.Exception = _pytest_skip.Exception  # type: ignore[attr-defined]
 
 

@@ -15,6 +15,7 @@ import os
 import sys
 
 import torch
+from safetensors.torch import save_file
 
 import shardspeed
 from reference_training import train
@@ -48,7 +49,8 @@ def main() -> None:
     with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(report, handle)
     if rank == 0:
-        torch.save(result["params"], os.path.join(out, "params.pt"))
+        params = {str(i): p.contiguous() for i, p in enumerate(result["params"])}
+        save_file(params, os.path.join(out, "params.safetensors"))  # no pickle
     print(f"cluster_job rank {rank} of {report['world']} done", flush=True)
 
 

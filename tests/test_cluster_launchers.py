@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from shardspeed.comm import discovery
 from shardspeed.launcher import cluster, mpi, runner
@@ -439,11 +440,11 @@ def _reports(out: Path) -> list[dict]:
 
 
 def _assert_trained_like(out: Path, reference: Path) -> None:
-    params = torch.load(out / "params.pt")
-    expected = torch.load(reference / "params.pt")
-    assert len(params) == len(expected)
-    for got, want in zip(params, expected):
-        assert torch.equal(got, want)
+    params = load_file(out / "params.safetensors")
+    expected = load_file(reference / "params.safetensors")
+    assert params.keys() == expected.keys() and params
+    for name, want in expected.items():
+        assert torch.equal(params[name], want), name
 
 
 @pytest.fixture(scope="session")
