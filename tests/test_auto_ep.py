@@ -222,9 +222,8 @@ def test_a_checkpoint_at_ep2_resumes_at_ep4_and_without_ep(pool2, pool4, tmp_pat
     assert_same_weights(plain["weights"], uninterrupted, 1e-5)
 
 
-def export_and_reload(family: str, directory: str) -> dict:
-    """save_16bit_model at EP 2, written beside the model's config: what from_pretrained loads
-    into the plain model, and the engine's logits on a batch."""
+def two_steps_at_ep2(family: str) -> tuple[torch.nn.Module, object, torch.Tensor]:
+    """`family` after 2 steps at EP 2, ZeRO 2, on one batch: the model, its engine, the batch."""
     model = build(family)
     engine, *_ = shardspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ep_config(2, 2)
@@ -233,6 +232,13 @@ def export_and_reload(family: str, directory: str) -> dict:
     for _ in range(2):
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
+    return model, engine, ids
+
+
+def export_and_reload(family: str, directory: str) -> dict:
+    """save_16bit_model at EP 2, written beside the model's config: what from_pretrained loads
+    into the plain model, and the engine's logits on a batch."""
+    model, engine, ids = two_steps_at_ep2(family)
     engine.save_16bit_model(directory, "model.safetensors")
     if engine.global_rank == 0:
         model.config.save_pretrained(directory)
@@ -255,14 +261,7 @@ def module_state_dict(family: str) -> dict:
     """After 2 steps at EP 2, ZeRO 2: the model's own `state_dict()` (every rank calls it, as
     accelerate's get_state_dict does), the engine's consolidated weights, and whether loading
     that whole state dict back keeps each rank's run of experts and the logits."""
-    model = build(family)
-    engine, *_ = shardspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=ep_config(2, 2)
-    )
-    ids = global_batch(0, 1)
-    for _ in range(2):
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
+    model, engine, ids = two_steps_at_ep2(family)
     state = {n: t.clone() for n, t in model.state_dict().items()}  # detached views, otherwise
     consolidated = consolidated_state_dict(engine)
     local = {n: p.detach().clone() for n, p in model.named_parameters()}
