@@ -16,6 +16,7 @@ from shardspeed import comm
 from shardspeed.planning import Cluster, dry_run
 from shardspeed.planning.checkpoints import engine_as, file_opens, world_checkpoint
 from shardspeed.planning.dry_run import fake_world
+from shardspeed.planning.models import PRESETS
 
 ZERO3 = {
     "bf16": {"enabled": True},
@@ -63,16 +64,7 @@ def startup() -> None:
 
 # A small Llama-like model: what a rank reads at load and receives at save grows with the world,
 # not with the model (each file is written as its header, with holes for the tensors' bytes).
-SMALL = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 64,
-}
+SMALL = PRESETS["llama-tiny"]
 
 
 def checkpoint(worlds: list[int]) -> None:

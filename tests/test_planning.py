@@ -14,7 +14,7 @@ import torch
 
 import shardspeed
 from shardspeed.planning import Cluster, build_model, dry_run, measure_rank
-from shardspeed.planning.models import causal_lm_batch
+from shardspeed.planning.models import PRESETS, causal_lm_batch
 
 
 @pytest.fixture(autouse=True)
@@ -27,14 +27,7 @@ def no_process_group() -> None:
 
 SEQ = 16
 LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 64,
+    **PRESETS["llama-tiny"],
     # The same attention code on both sides: on the meta device a dry run runs SDPA as a GPU's
     # flash kernel, where a CPU run takes its own kernel.
     "attn_implementation": "eager",

@@ -26,9 +26,20 @@ _LLAMA3 = {
     "tie_word_embeddings": False,
 }
 
-# Meta's Llama 3 / 3.1 configs (hidden, MLP, layers, heads) and DeepSeek-V3's (671B, 37B active:
+# A tiny Llama-like model; Meta's Llama 3 / 3.1 configs (hidden, MLP, layers, heads) and DeepSeek-V3's (671B, 37B active:
 # 61 layers, the first 3 dense, 256 routed experts of which 8 per token, one shared).
 PRESETS: dict[str, dict[str, Any]] = {
+    # A tiny Llama-like model: to try a config's layout and start-up in seconds.
+    "llama-tiny": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+    },
     "llama3-8b": {
         **_LLAMA3,
         "hidden_size": 4096,
