@@ -396,8 +396,10 @@ def _collect_whole_tensors(
         if n not in param_names and isinstance(b, torch.Tensor)
     ]
     if not exclude_frozen:
+        managed.update(p for store in engine.untrained_shards for p in store.plan.params)
         frozen = [(n, p) for n, p in engine.module.named_parameters() if p not in managed]
         whole += [("param", "frozen", n, p) for n, p in frozen]
+        _collect_untrained_shards(engine, tensors, logical)
     for kind, prefix, module_name, value in whole:
         name, first_holder = _checkpoint_name(engine, module_name, writes_replicated)
         if first_holder:
@@ -406,6 +408,28 @@ def _collect_whole_tensors(
             # A frozen parameter split over tensor-parallel ranks is saved as a piece of the whole.
             stored_name = logical.stored_name(f"{kind}/{name}", module_name)
             logical.add(stored_name, key, value, (0, value.numel(), 0), value.shape)
+
+
+def _untrained_pieces(engine: Any) -> Iterator[tuple[torch.Tensor, list[Any]]]:
+    """Stage 3's shards of the parameters no optimizer steps (`zero.stores.shard_untrained`):
+    each region's piece this rank holds (a view: a load writes into it), with the parameter
+    elements it holds, as `master_pieces` gives them."""
+    for store in engine.untrained_shards:
+        plan, shard = store.plan, store.sharded_params.store
+        for master, pieces in zip(plan.masters, plan.master_pieces()):
+            yield shard.piece(master.region), pieces
+
+
+def _collect_untrained_shards(engine: Any, tensors: _RankFiles, logical: _LogicalTensors) -> None:
+    """Each rank writes its own shards of the frozen parameters stage 3 partitions, as pieces
+    of them: no gather, and each rank writes 1/N."""
+    shapes = dict(engine.module.named_parameters())
+    for j, (value, pieces) in enumerate(_untrained_pieces(engine)):
+        key = f"frozen.shard.{j}"
+        tensors[key] = value
+        for name, start, offset, length in pieces:
+            stored = logical.stored_name(f"param/{name}", name)
+            logical.add(stored, key, value, (start, length, offset), shapes[name].ds_shape)
 
 
 def _shared_state(
@@ -889,6 +913,11 @@ def load_parameters(
                     if f"param/{name}" in source:
                         flat[offset : offset + length] = read(f"param/{name}", name, start, length)
         managed = set(zopt.params)
+        managed.update(p for store in engine.untrained_shards for p in store.plan.params)
+        for flat, own in _untrained_pieces(engine):
+            for name, start, offset, length in own:
+                if f"param/{name}" in source:
+                    flat[offset : offset + length] = read(f"param/{name}", name, start, length)
         for module_name, p in engine.module.named_parameters():
             key = f"param/{_checkpoint_name(engine, module_name)[0]}"
             if p not in managed and key in source:  # frozen: this rank's piece, whole
@@ -898,6 +927,8 @@ def load_parameters(
             if key in source:
                 b.copy_(source.read_whole(key))
     zopt.publish()
+    for store in engine.untrained_shards:
+        store.publish(None)
     return pieces
 
 
@@ -970,7 +1001,8 @@ def _check_names(
     splits = parameter_splits(engine)
     expected = {}
     for name in model & saved:
-        shape = tuple(shapes.get(name, params[name].shape))
+        # (A frozen parameter partitioned at stage 3 reads as empty: `ds_shape` is its own.)
+        shape = tuple(shapes.get(name, getattr(params[name], "ds_shape", params[name].shape)))
         expected[f"param/{name}"] = splits[name][0].whole_shape(shape) if name in splits else shape
     for module_name, b in engine.module.named_buffers():
         key = f"buffer/{_checkpoint_name(engine, module_name)[0]}"

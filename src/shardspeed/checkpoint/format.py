@@ -870,21 +870,24 @@ def _frozen_names(
     splits: dict[str, list[str]],
     ranges: dict[str, list[tuple[int, int, str, str]]],
 ) -> set[str]:
-    """Parameters saved frozen: each stored whole at the start of the writer's `frozen.<name>`
-    tensor (a tensor-parallel one, every part so). `raw`: the manifest's tensors section,
-    `tensors` its valid entries, `splits` the parts of each valid split."""
-
-    frozen_starts = {
-        (file, start)
+    """Parameters saved frozen: each piece stored inside a writer's `frozen.` tensor (the whole
+    parameter, or at stage 3 each rank's shard of it; a tensor-parallel one, every part so).
+    `raw`: the manifest's tensors section, `tensors` its valid entries, `splits` the parts of
+    each valid split."""
+    frozen_spans = {
+        file: sorted((start, end) for start, end, _, key in stored if key.startswith("frozen."))
         for file, stored in ranges.items()
-        for start, _, _, key in stored
-        if key.startswith("frozen.")
     }
 
+    def inside_frozen(piece: list[Any]) -> bool:
+        spans = frozen_spans[piece[0]]
+        at = bisect.bisect_right(spans, (piece[1], math.inf)) - 1
+        return at >= 0 and spans[at][0] <= piece[1] < spans[at][1]
+
     def stored_frozen(logical: str) -> bool:
-        if logical not in tensors or len(raw[logical]["pieces"]) != 1:
-            return False
-        return tuple(raw[logical]["pieces"][0][:2]) in frozen_starts
+        # Pieces in files whose header does not read (reported on their own) do not decide.
+        readable = [p for p in raw.get(logical, {}).get("pieces", []) if p[0] in frozen_spans]
+        return logical in tensors and bool(readable) and all(map(inside_frozen, readable))
 
     names = {n for n in tensors if stored_frozen(n)}
     names |= {n for n, parts in splits.items() if all(map(stored_frozen, parts))}

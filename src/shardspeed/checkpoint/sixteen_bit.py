@@ -143,13 +143,10 @@ def _items(
 ) -> list[list[nn.Parameter]]:
     """The parameters grouped by gather unit (ZeRO-3) or one by one, groups joined up to
     `bucket_bytes`."""
-    sharded = engine.optimizer.sharded_params if engine.optimizer is not None else None
-    if sharded is not None:
-        in_units = {p for unit in sharded.units for p in unit.params}
-        groups = [list(unit.params) for unit in sharded.units if unit.params]
-        groups += [[p] for p in params if p not in in_units]  # frozen ones, kept whole
-    else:
-        groups = [[p] for p in params]
+    units = [unit.params for shards in engine.parameter_shards() for unit in shards.units]
+    in_units = {p for unit in units for p in unit}
+    groups = [list(unit) for unit in units if unit]
+    groups += [[p] for p in params if p not in in_units]  # whole ones (below stage 3, say)
     if bucket_bytes is None:
         return groups
     items: list[list[nn.Parameter]] = []

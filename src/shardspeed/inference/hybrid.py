@@ -96,9 +96,7 @@ class HybridGeneration(EngineComponent):
     # -- the inference copy ------------------------------------------------------------------------
 
     def _needs_copy(self) -> bool:
-        zopt = self.engine.optimizer
-        stage3 = zopt is not None and zopt.sharded_params is not None
-        return stage3 or self.inference_tp_size > 1
+        return bool(self.engine.parameter_shards()) or self.inference_tp_size > 1
 
     def inference_module(self) -> nn.Module:
         """The model generation runs on: the inference copy (built or rebuilt if the weights
@@ -117,32 +115,33 @@ class HybridGeneration(EngineComponent):
     def _build_copy(self) -> nn.Module:
         engine = self.engine
         zopt = engine.optimizer
-        managed = dict(zip(zopt.params, zopt.layout.shapes)) if zopt is not None else {}
-        # Managed parameters may be shards (ZeRO-3): give the copy empty tensors of their whole
-        # shape, filled below; the others are whole already and copied as they are.
+        shards = engine.parameter_shards()
+        # The trained parameters, and at stage 3 every parameter: the copy gets empty tensors of
+        # their whole shape, filled below; the others are whole already and copied as they are.
+        filled = {p: p.shape for p in zopt.params} if zopt is not None else {}
+        filled.update((p, s.layout.shapes[i]) for s in shards for p, i in s.index.items())
         memo = {
             id(p): nn.Parameter(
-                torch.empty(managed[p], dtype=p.dtype, device=p.device)
-                if p in managed
+                torch.empty(filled[p], dtype=p.dtype, device=p.device)
+                if p in filled
                 else p.detach().clone(),
                 requires_grad=False,
             )
             for p in engine.module.parameters()
         }
         inference = copy.deepcopy(engine.module, memo)
-        sharded = zopt.sharded_params if zopt is not None else None
-        if sharded is not None:
+        for sharded in shards:
             sharded.strip_hooks(inference)
         if self.inference_tp_size > 1:
             apply_autotp(inference, self._tp_group, engine.run_config.tensor_parallel)
         targets = dict(inference.named_parameters())
         names = {p: n for n, p in engine.module.named_parameters()}
-        if sharded is not None:
-            units = [u.params for u in sharded.units]
+        if shards:
+            units = [u.params for sharded in shards for u in sharded.units]
             per = engine.run_config.hybrid_engine.tp_gather_partition_size
             chunks = [[p for u in units[i : i + per] for p in u] for i in range(0, len(units), per)]
         else:
-            chunks = [list(managed)]
+            chunks = [list(filled)]
         for item in gathered_items(engine, chunks, names):
             for name, whole in item:
                 self._fill(targets[name], whole)

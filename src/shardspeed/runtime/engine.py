@@ -61,7 +61,9 @@ from ..zero import (
 )
 from ..zero.accounting import memory_breakdown
 from ..zero.init import materialize
-from ..zero.plan import replica_ties
+from ..zero.partitioned import ShardedParameters
+from ..zero.plan import Place, replica_ties
+from ..zero.stores import ShardedParams, shard_untrained
 from .dataloader import DistributedDataLoader
 from .sequence_parallel.ulysses_sp import SequenceLoss
 
@@ -162,6 +164,7 @@ class ShardSpeedEngine(nn.Module):
         if self.basic_optimizer is not None:
             check_param_groups(self.basic_optimizer.param_groups)
         self.optimizer = self._wrap_optimizer(self.basic_optimizer)
+        self.untrained_shards = self._shard_untrained()
         # Under sequence parallelism the first loss tells how gradients must be reduced.
         self._sequence_loss = (
             SequenceLoss(config.sequence_parallel.loss, topology, self.optimizer)
@@ -199,10 +202,7 @@ class ShardSpeedEngine(nn.Module):
 
     def _wrap_optimizer(self, basic: torch.optim.Optimizer | None) -> ZeroOptimizer | None:
         if basic is None:
-            # Nothing to train, so nothing is sharded: what zero.Init sliced is made whole again
-            # (an engine for evaluation only, as transformers builds for evaluate()).
-            materialize(self.module.parameters(), self.run_config.zero_optimization.stage == 3)
-            return None
+            return None  # an engine for evaluation only (`_shard_untrained` takes its weights)
         config = self.run_config
         zero = config.zero_optimization
         if isinstance(basic, CompressedOptimizer):
@@ -260,6 +260,41 @@ class ShardSpeedEngine(nn.Module):
             whole_groups=_whole_tensor_groups(basic, config.zero_allow_untested_optimizer),
             **self._sharding_layout(),
         )
+
+    def _shard_untrained(self) -> list[ShardedParams]:
+        """The parameters no optimizer steps (frozen ones; all of them in an engine without an
+        optimizer): at stage 3 sharded as the trained ones are (`zero.stores.shard_untrained`),
+        experts' and non-floating ones excepted; below stage 3 whole, zero.Init's slices made
+        whole again."""
+        zero = self.run_config.zero_optimization
+        managed = set(self.optimizer.params) if self.optimizer is not None else set()
+        untrained = [p for p in self.module.parameters() if p not in managed]
+        experts = {p for part in self.experts.parameters for p in part.params}
+        sharded = (
+            [p for p in untrained if p.is_floating_point() and p not in experts]
+            if zero.stage == 3
+            else []
+        )
+        kept = set(sharded)
+        materialize((p for p in untrained if p not in kept), zero.stage == 3)
+        if not sharded:
+            return []
+        topo = self.topology
+        data = Place(
+            topo.get_sequence_data_parallel_group(),
+            topo.get_sequence_data_parallel_rank(),
+            topo.get_sequence_data_parallel_world_size(),
+        )
+        stage3 = Stage3Options.from_config(zero, self._hpz_group(zero.zero_hpz_partition_size))
+        offload = OffloadOptions.from_config(self.run_config)
+        return shard_untrained(self.module, sharded, data, stage3, offload, self.device)
+
+    def parameter_shards(self) -> list[ShardedParameters]:
+        """Every set of stage-3 shards: the optimizer's, then those of the parameters it does
+        not step (empty below stage 3)."""
+        trained = self.optimizer.sharded_params if self.optimizer is not None else None
+        untrained = [store.sharded_params for store in self.untrained_shards]
+        return [trained, *untrained] if trained is not None else untrained
 
     def _hpz_group(self, size: int) -> Any:
         """The group of ZeRO++'s hierarchical partitioning (None when it is off)."""
@@ -366,8 +401,8 @@ class ShardSpeedEngine(nn.Module):
         _refuse_replaced(self, "forward")
         if self.run_config.fp16.enabled and self.run_config.fp16.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), torch.float16)
-        if self.optimizer is not None and self.optimizer.sharded_params is not None:
-            self.optimizer.sharded_params.begin_pass(torch.is_grad_enabled())
+        for shards in self.parameter_shards():
+            shards.begin_pass(torch.is_grad_enabled())
         with contextlib.ExitStack() as observed:
             for observer in self.observers:
                 observed.enter_context(observer.forward(self))
@@ -398,6 +433,8 @@ class ShardSpeedEngine(nn.Module):
             (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             with self.clock.phase("reduce"):
                 self.optimizer.finish_reduction()  # a no-op on micro-steps that do not reduce
+            for store in self.untrained_shards:
+                store.release_all()  # units whose modules' inputs needed no gradient
         for observer in self.observers:
             observer.after_backward(self, loss)
         return loss
@@ -818,7 +855,9 @@ _ACCESSORS: dict[str, tuple[str | Callable[[Any], Any], bool, Any]] = {
     "was_step_applied": ("_step_applied", False, _ALWAYS),
     # Bytes this rank holds, by kind and by where they live (`zero.accounting`).
     "memory_breakdown": (
-        lambda engine: memory_breakdown(engine.optimizer, engine.module, engine.device),
+        lambda engine: memory_breakdown(
+            engine.optimizer, engine.module, engine.device, engine.untrained_shards
+        ),
         False,
         _ALWAYS,
     ),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -12,15 +12,18 @@ from torch import nn
 _KINDS = ("parameters", "gradients", "master_weights", "optimizer_states", "buffers")
 
 
-def memory_breakdown(optimizer: Any, module: nn.Module, device: torch.device) -> dict[str, int]:
+def memory_breakdown(
+    optimizer: Any, module: nn.Module, device: torch.device, untrained: Sequence[Any] = ()
+) -> dict[str, int]:
     """Bytes this rank holds, by kind, each storage counted once (views share their storage).
 
-    `optimizer` is the engine's ZeroOptimizer (None: the module's parameters only). `on_device`,
+    `optimizer` is the engine's ZeroOptimizer (None: the module's parameters only); `untrained`:
+    stage 3's shards of the parameters it does not step (`zero.stores.shard_untrained`). `on_device`,
     `on_cpu` and `on_nvme` split the same bytes by where they live (swap files counted at their
     size on disk); "device" is `device`'s memory (host memory when there is no accelerator). At
     stage 3 `gathered_peak` adds the most bytes of gathered parameters alive at one time.
     """
-    places = memory_places(optimizer, module, device)
+    places = memory_places(optimizer, module, device, untrained)
     sizes = {kind: sum(where.values()) for kind, where in places.items()}
     sizes["total"] = sum(sizes.values())
     swapped = getattr(optimizer, "swapped", None)
@@ -28,11 +31,13 @@ def memory_breakdown(optimizer: Any, module: nn.Module, device: torch.device) ->
         {f"on_{place}": sum(where[place] for where in places.values()) for place in _PLACES}
     )
     sizes["on_nvme"] = swapped.bytes_on_disk() if swapped is not None else 0
-    sharded = getattr(optimizer, "sharded_params", None)
-    if sharded is not None:
+    sharded = [getattr(optimizer, "sharded_params", None), *(s.sharded_params for s in untrained)]
+    sharded = [s for s in sharded if s is not None]
+    if sharded:
         # The most bytes of whole (gathered) parameters alive at once so far, which comes on
-        # top of what is held between steps.
-        sizes["gathered_peak"] = sharded.peak_gathered_bytes
+        # top of what is held between steps (with untrained shards: the sum of each set's peak,
+        # a bound, since their peaks may not coincide).
+        sizes["gathered_peak"] = sum(s.peak_gathered_bytes for s in sharded)
     return sizes
 
 
@@ -40,7 +45,7 @@ _PLACES = ("device", "cpu")
 
 
 def memory_places(
-    optimizer: Any, module: nn.Module, device: torch.device
+    optimizer: Any, module: nn.Module, device: torch.device, untrained: Sequence[Any] = ()
 ) -> dict[str, dict[str, int]]:
     """Bytes this rank holds in memory, by kind and by place ("device": `device`'s memory, host
     memory when there is no accelerator; "cpu": host memory beside an accelerator), each storage
@@ -50,6 +55,7 @@ def memory_places(
         if optimizer is not None
         else {"parameters": list(module.parameters())}
     )
+    held["parameters"] += [t for store in untrained for t in store.tensors()]
     held["buffers"] = list(module.buffers())
     seen: set[tuple] = set()
     accelerator = device.type != "cpu"

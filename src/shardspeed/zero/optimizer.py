@@ -42,11 +42,11 @@ from ..comm import all_reduce
 from ..common.views import InstanceView
 from ..precision import LossScaler, StaticLossScaler
 from .hooks import ParameterOffload
-from .init import is_init_sharded, materialize
+from .init import is_init_sharded
 from .offload import OffloadOptions, SwappedStates
 from .offload_states import BACKWARD_NEEDS, OffloadStateTypeEnum, StateOffload
 from .partitioned import Stage3Options
-from .plan import ExpertParameters, Place, ShardPlan, TiedParameters, build_plan
+from .plan import ExpertParameters, Place, ShardPlan, TiedParameters, build_plan, managed_groups
 from .reducer import GradientReducer, reduces_by_scatter
 from .stores import GatherOptions, GradientArrivals, Stores, build_stores
 
@@ -148,7 +148,7 @@ class ZeroOptimizer:
         self.norm_group = norm_group
         self.plan = build_plan(
             module,
-            optimizer,
+            managed_groups(module, optimizer),
             stage=_stage_run(stage, dp_world_size, self.offload),
             data=Place(dp_group, dp_rank, dp_world_size),
             segments=segments,
@@ -162,7 +162,7 @@ class ZeroOptimizer:
         self.stage, self.layout, self.params = plan.stage, plan.layout, list(plan.params)
         self.param_names = plan.param_names
         self.param_index = {p: i for i, p in enumerate(plan.params)}
-        _check_params(module, plan, stage)
+        _check_params(plan, stage)
         self.model_dtype, self.requested_grad_dtype = plan.params[0].dtype, grad_dtype
         # Gradients accumulate in fp32 unless the model is fp16 (DeepSpeed keeps fp16 gradients),
         # or in what `data_types.grad_accum_dtype` says.
@@ -457,11 +457,9 @@ def _stage_run(stage: int, dp_world_size: int, offload: OffloadOptions) -> int:
     return stage if keep else min(stage, 1)
 
 
-def _check_params(module: nn.Module, plan: ShardPlan, configured_stage: int) -> None:
-    """Refuse trainable parameters of mixed dtype or device, and zero.Init's slices below stage 3;
-    make those the optimizer does not train whole (zero.Init sliced every parameter)."""
-    managed = set(plan.params)
-    materialize((p for p in module.parameters() if p not in managed), configured_stage == 3)
+def _check_params(plan: ShardPlan, configured_stage: int) -> None:
+    """Refuse trainable parameters of mixed dtype or device, and zero.Init's slices below stage 3
+    (the parameters no optimizer steps are the engine's: `zero.stores.shard_untrained`)."""
     dtype, device = plan.params[0].dtype, plan.params[0].device
     if any(p.dtype != dtype or p.device != device for p in plan.params):
         raise ValueError("all trainable parameters must share one dtype and device")

@@ -378,8 +378,12 @@ class ShardedParameters:
         options: Stage3Options | None = None,
         device: torch.device | None = None,
         streams: CommStreams | None = None,
+        trained: bool = True,
     ) -> None:
-        """`groups`: the group of each place of the plan (a unit is gathered over its place's)."""
+        """`groups`: the group of each place of the plan (a unit is gathered over its place's).
+        `trained` false: no gradients arrive to say that a unit's backward is done (frozen
+        parameters); the gradients of its modules' inputs say it instead."""
+        self.trained = trained
         self.units, self.layout, self.unit_regions = units, layout, unit_regions
         self.store, self.group = store, groups[0]
         self.unit_groups = [groups[unit.place] for unit in units]
@@ -444,7 +448,8 @@ class ShardedParameters:
         self.hook_handles[:] = []
         for u, unit in enumerate(self.units):
             for m in unit.modules:
-                self.hook_handles.append(m.register_forward_pre_hook(self._pre_forward(u)))
+                pre = m.register_forward_pre_hook(self._pre_forward(u), with_kwargs=True)
+                self.hook_handles.append(pre)
                 self.hook_handles.append(m.register_forward_hook(self._post_forward(u)))
 
     def traces_recorded(self) -> bool:
@@ -461,7 +466,11 @@ class ShardedParameters:
         module's hook dictionaries, and these hooks would gather this model's shards)."""
         ids = {handle.id for handle in self.hook_handles}
         for module in copy.modules():
-            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for hooks in (
+                module._forward_pre_hooks,
+                module._forward_pre_hooks_with_kwargs,
+                module._forward_hooks,
+            ):
                 for hook_id in ids & hooks.keys():
                     del hooks[hook_id]
             for hook_id in ids & module._forward_hooks_always_called.keys():
@@ -703,8 +712,21 @@ class ShardedParameters:
         self._prefetch()
 
     def _pre_forward(self, u: int) -> Callable:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             self._use(u)
+            if self.trained or not torch.is_grad_enabled():
+                return
+            inputs = [
+                t
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if inputs:
+                # Once the inputs' gradients are whole, this module's backward no longer needs
+                # the unit. Inputs that need no gradient leave it to `release_all`.
+                torch.autograd.graph.register_multi_grad_hook(
+                    inputs, lambda grads: self._finished(u), mode="all"
+                )
 
         return hook
 

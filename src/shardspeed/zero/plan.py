@@ -266,7 +266,7 @@ def replica_ties(
 
 def build_plan(
     module: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    groups: Sequence[Sequence[nn.Parameter]],
     *,
     stage: int,
     data: Place,
@@ -277,10 +277,11 @@ def build_plan(
     sub_group_size: int = 1_000_000_000,
     whole_groups: Sequence[bool] = (),
 ) -> ShardPlan:
-    """The plan for `optimizer`'s trainable parameters of `module` at ZeRO `stage` (the stage
-    actually run: the caller lowers it where one rank has nothing to shard). `whole_groups[g]`:
-    param group `g`'s optimizer needs whole tensors."""
-    groups = managed_groups(module, optimizer)
+    """The plan for `groups` of `module`'s parameters (an optimizer's param groups, from
+    `managed_groups`) at ZeRO `stage` (the stage actually run: the caller lowers it where one
+    rank has nothing to shard). `whole_groups[g]`: param group `g`'s optimizer needs whole
+    tensors."""
+    groups = [list(group) for group in groups]
     places = (data, *(Place(e.group, e.rank, e.world_size) for e in experts))
     units: list[Unit] = []
     if stage == 3:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import inspect
 import itertools
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from .accounting import same_memory
 from .init import full_value, is_init_sharded
 from .offload import OffloadOptions, SwappedStates
 from .partitioned import MemoryShard, ShardedParameters, Stage3Options, SwappedShard
-from .plan import ShardPlan
+from .plan import Place, ShardPlan, build_plan
 from .swap import NvmeSwapper
 
 Hook = Callable[[torch.Tensor], None]
@@ -315,7 +315,9 @@ class ShardedParams:
         stage3: Stage3Options | None,
         dtype: torch.dtype,
         device: torch.device,
+        trained: bool = True,
     ) -> None:
+        """`trained` false: no optimizer steps these parameters (`shard_untrained`)."""
         self.plan = plan
         self.swapper: NvmeSwapper | None = None
         self.shard_offloaded = offload.param_device != "none"  # in host memory or swap files
@@ -339,6 +341,7 @@ class ShardedParams:
             [place.group for place in plan.places],
             stage3,
             device,
+            trained=trained,
         )
         self.gradient_done = self.sharded_params.gradient_done
 
@@ -394,6 +397,40 @@ class ShardedParams:
     def close(self) -> None:
         if self.swapper is not None:
             self.swapper.close()
+
+
+def shard_untrained(
+    module: nn.Module,
+    params: Sequence[nn.Parameter],
+    data: Place,
+    stage3: Stage3Options | None,
+    offload: OffloadOptions,
+    device: torch.device,
+) -> list[ShardedParams]:
+    """Stage 3 for `params`, parameters of `module` that no optimizer steps (frozen ones; every
+    one in an engine built without an optimizer): sharded over `data` and gathered on use as the
+    trained ones are, with no masters and no gradients. DeepSpeed partitions them too, so a
+    frozen base model takes 1/N of each rank's memory, and code that checks `ds_status` or
+    shapes sees what it sees there. A shard is one flat tensor: one set per dtype. Swap files
+    hold fp32 shards beside their optimizer states, so under NVMe parameter offload these
+    shards stay in host memory."""
+    if offload.param_device == "nvme":
+        offload = replace(offload, param_device="cpu")
+    order = {p: i for i, p in enumerate(module.parameters())}
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in sorted(params, key=order.__getitem__, reverse=True):
+        by_dtype.setdefault(p.dtype, []).append(p)
+    return [
+        ShardedParams(
+            build_plan(module, [members], stage=3, data=data, stage3=stage3),
+            offload,
+            stage3,
+            dtype,
+            device,
+            trained=False,
+        )
+        for dtype, members in by_dtype.items()
+    ]
 
 
 # -- masters --------------------------------------------------------------------------------------
