@@ -11,9 +11,14 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import shardspeed
+from shardspeed.config.errors import ConfigError
+from shardspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from shardspeed.planning import Cluster, build_model, dry_run, measure_rank
+from shardspeed.planning.dry_run import layout_of, sequence_parallel_script
 from shardspeed.planning.models import PRESETS, causal_lm_batch
 
 
@@ -56,6 +61,68 @@ def moe(family: str) -> object:
     return config
 
 
+def plain_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Causal softmax attention written out, registered with transformers as "plain": sequence
+    parallelism refuses eager attention (it needs a mask over the whole sequence), and SDPA runs
+    as a GPU's flash kernel on meta but as the CPU's (uncounted by torch's FLOP counter) on a
+    CPU, so this gives both sides the same attention code."""
+    del attention_mask, kwargs  # causal over the whole sequence, as flash runs it
+    groups = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(groups, 1) for t in (key, value))
+    seq = query.shape[-2]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()
+    scores = (query @ key.transpose(-1, -2)) * scaling
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    return (probs @ value).transpose(1, 2), None
+
+
+def _register_plain_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("plain", plain_attention)
+
+
+_register_plain_attention()  # on import: the pool's ranks import this module too
+
+
+# A pipeline as DeepSpeed users write one: layer specs, an embedding tied to the output head, a
+# loss function, the partition balanced by parameters. No LayerNorm: in bf16 the statistics it
+# keeps for backward are bf16 on a CPU but fp32 on a GPU, and so on meta.
+PIPE_VOCAB, PIPE_DIM = 64, 32
+
+
+class PipeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(PIPE_DIM, 4 * PIPE_DIM), nn.Linear(4 * PIPE_DIM, PIPE_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def pipe_head(embedding: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+    return x @ embedding.weight.t()
+
+
+def pipe_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, PIPE_VOCAB), labels.reshape(-1))
+
+
+def pipeline() -> PipelineModule:
+    tied = {"tied_weight_attr": "weight"}
+    layers = [
+        TiedLayerSpec("embed", nn.Embedding, PIPE_VOCAB, PIPE_DIM, **tied),
+        *[LayerSpec(PipeBlock) for _ in range(3)],
+        TiedLayerSpec("embed", nn.Embedding, PIPE_VOCAB, PIPE_DIM, forward_fn=pipe_head, **tied),
+    ]
+    return PipelineModule(layers, num_stages=2, loss_fn=pipe_loss)
+
+
+def pipe_batch(micro_batch: int, seq_len: int, device: torch.device) -> tuple:
+    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
+    return ids, ids
+
+
 CASES = {
     "zero0": (LLAMA, ds_config(0)),
     "zero1": (LLAMA, ds_config(1)),
@@ -63,15 +130,27 @@ CASES = {
     "zero3": (LLAMA, ds_config(3)),
     "tensor": (LLAMA, ds_config(1, tensor_parallel={"autotp_size": 2})),
     "expert": (moe("qwen3_moe"), ds_config(2, expert_parallel={"enabled": True, "autoep_size": 2})),
+    # 2 stages, with data parallelism 2 at 4 ranks.
+    "pipeline": (pipeline, ds_config(1)),
+    # ALST's Ulysses over 2 ranks, with data parallelism 2 at 4 ranks.
+    "sequence": (
+        {**LLAMA, "attn_implementation": "plain"},
+        ds_config(3, sequence_parallel_size=2),
+    ),
 }
+BATCHES = {"pipeline": pipe_batch}
 
 
 def real_rank(case: str, world: int) -> dict:
     """One gloo rank of a real run: the model on the CPU with values, trained the dry run's way."""
     source, config = CASES[case]
     torch.manual_seed(0)
-    engine, *_ = shardspeed.initialize(model=build_model(source, "cpu"), config=config)
-    return dataclasses.asdict(measure_rank(engine, Cluster(1, world), causal_lm_batch, SEQ))
+    model = build_model(source, "cpu")
+    with sequence_parallel_script(model, config) as mpu:
+        engine, *_ = shardspeed.initialize(model=model, config=config, mpu=mpu)
+        batch = BATCHES.get(case, causal_lm_batch)
+        plan = dataclasses.asdict(measure_rank(engine, Cluster(1, world), batch, SEQ))
+    return plan | {"layout": layout_of(engine, SEQ)}
 
 
 def comparable(plan: dict) -> dict:
@@ -89,12 +168,28 @@ def test_a_dry_run_reports_what_real_ranks_hold_and_send(pool2, pool4, case):
             continue  # tensor x data needs 4 ranks to have both
         real = pool.run(real_rank, case, world)
         source, config = CASES[case]
-        dry = dry_run(
-            source, config, Cluster(1, world), ranks=range(world), seq_len=SEQ, backend="gloo"
-        )
+        dry = dry_run(source, config, Cluster(1, world), ranks=range(world), seq_len=SEQ,
+                      batch=BATCHES.get(case), backend="gloo")  # fmt: skip
+        assert all(want["layout"] == dry.layout for want in real), (case, world)
         for want, got in zip(real, dry.ranks):
             assert comparable(dataclasses.asdict(got)) == comparable(want), (case, world)
             assert got.flops_per_step == want["flops_per_step"]
+    if case == "pipeline":
+        # Each of the 2 micro-batches' activations forward and gradients back, in bf16.
+        assert dry.layout["pipeline_partition"] == [0, 3, 5]  # ties go to the later cut
+        nbytes = 2 * ds_config(1)["train_micro_batch_size_per_gpu"] * SEQ * PIPE_DIM * 2
+        for plan in dry.ranks:
+            p2p = {c.kind: (c.bytes, c.count) for c in plan.collectives if c.group_size == 2}
+            assert p2p["send"] == p2p["recv"] == (nbytes, 2), plan.rank
+
+
+@pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
+def test_zero_offload_is_refused_naming_its_key(key):
+    """ZeRO-Offload's host copies are allocated and filled from values the meta device lacks."""
+    config = ds_config(3)
+    config["zero_optimization"][key] = {"device": "cpu"}
+    with pytest.raises(ConfigError, match=rf"'zero_optimization\.{key}\.device' is 'cpu'"):
+        dry_run(LLAMA, config, Cluster(1, 2))
 
 
 @pytest.mark.parametrize("stage", [1, 3])

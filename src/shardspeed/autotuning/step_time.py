@@ -13,7 +13,8 @@
   group run while backward runs (two thirds of the compute), and at stage 3 the parameter
   gathers run while forward and backward do (prefetch); what does not fit under that compute is
   exposed. Tensor-, sequence- and expert-parallel collectives and pipeline sends sit on the
-  critical path and are all exposed, as are stage 1-2's gathers after the step.
+  critical path and are all exposed, as are stage 1-2's gathers after the step (a pipeline
+  transfer counts at its sender: the receiver's "recv" is the same bytes).
 - offload: the optimizer's host-held states cost their gradients down and parameters up over
   PCIe (half their bytes: 4 + 2 of every 12), NVMe-held ones a read and a write each step.
 - pipeline: the 1F1B bubble, (stages - 1) / micro-batches of the compute.
@@ -101,6 +102,8 @@ def step_time(inputs: StepInputs, cluster: Cluster) -> StepTime:
     compute = inputs.flops / (cluster.gpu_kind.peak_bf16_flops * EFFICIENCY[cluster.gpu])
     hidden_under_backward = hidden_under_all = exposed = total = 0.0
     for kind, size, link, nbytes, calls in inputs.collectives:
+        if kind == "recv":
+            continue  # a pipeline transfer is timed once, at its sender
         seconds = collective_seconds(kind, size, link, nbytes, calls, cluster)
         total += seconds
         data_parallel = size == inputs.data_parallel and size > 1 and inputs.overlap_comm

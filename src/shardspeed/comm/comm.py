@@ -965,17 +965,23 @@ def all_to_all_single(
 
 def batch_isend_irecv(ops: list[dist.P2POp]) -> list[Any]:
     """Post point-to-point sends and receives (`torch.distributed.P2POp`s) together; return one
-    Work per op, to `wait()` on. Sends count under "send". There is no same-call check: the peers of
-    a point-to-point batch are not a whole group making one collective."""
+    Work per op, to `wait()` on. Sends count under "send" and receives under "recv", each over
+    (this rank, its peer). There is no same-call check: the peers of a point-to-point batch are not
+    a whole group making one collective."""
     global _seq
     _seq += 1
     seq = _seq
     for op in ops:
-        if op.op is dist.isend:
-            _count("send", op.tensor, op.group, (get_rank(), op.peer))
+        kind = "send" if op.op is dist.isend else "recv"
+        _count(kind, op.tensor, op.group, (get_rank(), op.peer))
     group = ops[0].group if ops else None
     try:
-        works = dist.batch_isend_irecv(ops)
+        if ops and dist.get_backend(group) == "fake":
+            # A dry run's meta tensors have no backend to coalesce on; nothing moves anyway, so
+            # each op is posted alone (as torch does for backends that cannot coalesce).
+            works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+        else:
+            works = dist.batch_isend_irecv(ops)
     except RuntimeError as exc:
         raise _collective_error("batch_isend_irecv", seq, group, exc, None) from exc
     return [_CheckedWork(work, "batch_isend_irecv", seq, group) for work in works]

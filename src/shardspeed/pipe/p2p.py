@@ -10,6 +10,11 @@ neighbour, a fixed-size metadata message (count, dtypes, shapes, which need grad
 its own blocking transfer; both ends cache it, so later micro-batches send only data (with
 `dynamic_shape`, metadata goes every time). Gradients need none: they have the shapes of the
 activations that need them.
+
+On torch's fake process group (a dry run, `shardspeed.planning`, which runs the ranks one after
+another in one process) nothing arrives: a receiver reads the description its sender left on
+`_fake_wire` when it ran, so a dry run of a later stage needs its sender's run before it. Every
+transfer is still posted (and counted) as in a real run.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from .. import comm
 
 _DTYPES = (
     torch.float32,
@@ -32,6 +39,9 @@ _DTYPES = (
     torch.bool,
 )
 _META_SLOTS = 256  # int64 words: enough for a tuple of many tensors of several dimensions
+
+# The descriptions sent on the fake group, by (sender, receiver, sending chunk): see the docstring.
+_fake_wire: dict[tuple[int, int, int], list[TensorMeta]] = {}
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,8 @@ class StageLink:
                     continue
                 ops.append(dist.P2POp(dist.isend, _encode(metas).to(self.device), t.peer))
                 self._sent[channel] = metas
+                if _on_fake_group():
+                    _fake_wire[(dist.get_rank(), t.peer, t.key)] = metas
             elif channel in self._known and not self.dynamic_shape:
                 t.metas = self._known[channel]
             else:
@@ -142,13 +154,35 @@ class StageLink:
             _post(ops)
             ops = []
             for t, channel, buffer in pending:
-                t.metas = self._known[channel] = _decode(buffer.cpu())
+                metas = _from_fake_wire(t) if _on_fake_group() else _decode(buffer.cpu())
+                t.metas = self._known[channel] = metas
         return ops
+
+
+def forget_fake_wire() -> None:
+    """Drop the descriptions earlier dry runs left (a new dry run starts from none)."""
+    _fake_wire.clear()
+
+
+def _on_fake_group() -> bool:
+    return dist.get_backend() == "fake"
+
+
+def _from_fake_wire(t: Transfer) -> list[TensorMeta]:
+    me = dist.get_rank()
+    metas = _fake_wire.get((t.peer, me, t.key))
+    if metas is None:
+        raise RuntimeError(
+            f"a dry run of rank {me} needs the shapes of the activations rank {t.peer} (the "
+            f"stage before it) sends it, known once rank {t.peer} has run: dry-run rank "
+            f"{t.peer} before rank {me} (list it earlier in ranks=, or --rank {t.peer} first)"
+        )
+    return metas
 
 
 def _post(ops: list[dist.P2POp]) -> None:
     if ops:
-        for work in dist.batch_isend_irecv(ops):
+        for work in comm.batch_isend_irecv(ops):
             work.wait()
 
 

@@ -27,7 +27,12 @@ from .. import comm
 from ..autotuning.step_time import StepInputs, StepTime, step_time
 from ..autotuning.systems import Cluster
 from ..config import read_config_source
+from ..config.errors import ConfigError
+from ..pipe import PipelineModule
+from ..pipe.p2p import forget_fake_wire
 from ..runtime.api import initialize
+from ..runtime.sequence_parallel.plan import current_plan
+from ..runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, shard_batch
 from ..zero.accounting import memory_places, saved_activation_bytes
 from .attention import flash_on_meta
 from .models import ModelSource, build_model, causal_lm_batch, hf_config
@@ -167,6 +172,7 @@ def dry_run(
     """
     if isinstance(config, (str, os.PathLike)):
         config = read_config_source(os.fspath(config))
+    _refuse_offload(config)
     if batch is None:
         if hf_config(model) is None:
             raise ValueError("a dry run of your own module needs batch=: a function that makes a "
@@ -178,6 +184,7 @@ def dry_run(
                 f"rank {rank} is not in a world of {cluster.world_size} ranks "
                 f"({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs)"
             )
+    forget_fake_wire()
     result: DryRun | None = None
     for rank in ranks:
         with fake_world(rank, cluster, backend):
@@ -185,17 +192,60 @@ def dry_run(
             if activation_checkpointing:
                 module.gradient_checkpointing_enable()
             parameters = sum(p.numel() for p in module.parameters())
-            with _quiet(rank != ranks[0]):
-                engine, *_ = initialize(model=module, config=config)
-            if result is None:
-                result = DryRun(cluster, layout_of(engine, seq_len), parameters)
-            result.ranks.append(measure_rank(engine, cluster, batch, seq_len, steps))
+            with sequence_parallel_script(module, config) as mpu:
+                with _quiet(rank != ranks[0]):
+                    engine, *_ = initialize(model=module, config=config, mpu=mpu)
+                if result is None:
+                    result = DryRun(cluster, layout_of(engine, seq_len), parameters)
+                result.ranks.append(measure_rank(engine, cluster, batch, seq_len, steps))
     assert result is not None, "no rank was asked for"
     return result
 
 
+def _refuse_offload(config: dict[str, Any]) -> None:
+    """ZeRO-Offload is not planned: its host copies and swap files are allocated for real and
+    filled from the model's values, which the meta device does not have (and allocating them would
+    take the reported rank's whole share of host memory on this machine)."""
+    zero = config.get("zero_optimization") or {}
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in ("none", None):
+            raise ConfigError(
+                f"'zero_optimization.{key}.device' is {device!r}: a dry run cannot plan "
+                "ZeRO-Offload yet (its host copies and swap files would be allocated on this "
+                f"machine). Plan the config without '{key}': what it moves off the GPU is the "
+                "reported "
+                + ("optimizer_states" if key == "offload_optimizer" else "parameters")
+                + " on each rank"
+            )
+
+
+@contextmanager
+def sequence_parallel_script(module: Any, config: dict[str, Any]) -> Iterator[Any]:
+    """What a training script does before `initialize` when `config` asks for sequence
+    parallelism ('sequence_parallel_size' or 'sequence_parallel.size' over 1) and `module` is a
+    Hugging Face model: ALST's `UlyssesSPAttentionHF.register_with_transformers` for the model's
+    attention implementation. Yields the mpu to give `initialize` (None otherwise); transformers'
+    attention function is put back after. The batches are cut by `measure_rank`."""
+    section = config.get("sequence_parallel") or {}
+    size = config.get("sequence_parallel_size") or section.get("size") or 1
+    attention = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if size == 1 or attention is None or section.get("enabled") is False:
+        yield None
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    before = ALL_ATTENTION_FUNCTIONS[attention]
+    micro = config.get("train_micro_batch_size_per_gpu", 1)
+    try:
+        yield UlyssesSPAttentionHF.register_with_transformers(module, attention, size, micro)
+    finally:
+        ALL_ATTENTION_FUNCTIONS[attention] = before
+
+
 def layout_of(engine: Any, seq_len: int) -> dict[str, Any]:
-    """The layout the engine runs: parallel sizes, ZeRO stage, offload, batch."""
+    """The layout the engine runs: parallel sizes (and a pipeline's partition), ZeRO stage,
+    offload, batch."""
     topo = engine.topology
     config = engine.run_config
     zero = config.zero_optimization
@@ -203,6 +253,10 @@ def layout_of(engine: Any, seq_len: int) -> dict[str, Any]:
         "data_parallel": topo.dp_world_size,
         "tensor_parallel": topo.tp_world_size,
         "pipeline_parallel": topo.num_stages,
+        # The layer index where each stage starts (and where the last ends).
+        "pipeline_partition": list(engine.module.parts)
+        if isinstance(engine.module, PipelineModule)
+        else None,
         "sequence_parallel": topo.sp_world_size,
         "expert_parallel": max(engine.experts.ep_sizes, default=1),
         "zero_stage": zero.stage,
@@ -224,7 +278,7 @@ def measure_rank(
     then `steps` training steps, the last one counted (collectives, FLOPs, activations)."""
     startup = _collectives(cluster)
     micro = engine.train_micro_batch_size_per_gpu()
-    make = lambda: batch(micro, seq_len, engine.device)  # noqa: E731
+    make = lambda: _sequence_slice(batch(micro, seq_len, engine.device), engine)  # noqa: E731
     # On meta tensors attention runs as a GPU's flash kernel (attention.py); real tensors as they are.
     kernels = flash_on_meta() if engine.device.type == "meta" else nullcontext()
     activations = [0]
@@ -267,6 +321,20 @@ def measure_rank(
         flops_per_step=float(flops.get_total_flops()),
         activations_per_micro_batch=activations[0],
     )
+
+
+def _sequence_slice(inputs: Any, engine: Any) -> Any:
+    """With sequence parallelism, this rank's slice of a batch of whole sequences, cut as an ALST
+    script cuts it (`shard_batch`: global positions, labels shifted before the cut, fed to the
+    model as its labels); otherwise the batch as it is."""
+    topo = engine.topology
+    if topo.sp_world_size == 1:
+        return inputs
+    ids = inputs["input_ids"]
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    piece = shard_batch({"position_ids": positions, **inputs}, topo.sp_rank,
+                        topo.sp_world_size, current_plan().ring_size(topo.sp_world_size))  # fmt: skip
+    return {**piece, "labels": piece["shift_labels"]}
 
 
 def train_step(engine: Any, make: Callable[[], Any], activations: list[int] | None = None) -> None:
@@ -388,5 +456,6 @@ __all__ = [
     "fake_world",
     "layout_of",
     "measure_rank",
+    "sequence_parallel_script",
     "train_step",
 ]

@@ -117,9 +117,12 @@ def saved_activation_bytes(module: nn.Module) -> Iterator[list[int]]:
     layer keeps, whether it lives in a flat buffer or is gathered by ZeRO-3): the activations of a
     forward pass. Yields a one-element
     list that holds the count when the block ends. Activation checkpointing keeps less, and the
-    count shows it: only what is really saved is counted."""
+    count shows it: only what is really saved is counted. The counted tensors are held until the
+    block ends: a block with backward passes inside (a pipeline's window of micro-batches) frees
+    storages, and a later tensor at a freed one's address would be taken for it."""
     parameters = {id(p) for p in module.parameters()}
     seen: set[tuple] = set()
+    held: list[torch.Tensor] = []
     total = [0]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -128,6 +131,7 @@ def saved_activation_bytes(module: nn.Module) -> Iterator[list[int]]:
         weight = id(tensor) in parameters or _viewed_leaf(tensor)
         if not weight and key not in seen and nbytes:
             seen.add(key)
+            held.append(tensor)
             total[0] += nbytes
         return tensor
 
