@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from shardspeed import comm
+from shardspeed.checkpoint.format import INDEX, MANIFEST, bytes_read, reset_bytes_read
 from shardspeed.planning import Cluster, dry_run
 from shardspeed.planning.checkpoints import engine_as, file_opens, world_checkpoint
 from shardspeed.planning.dry_run import fake_world
@@ -68,34 +69,44 @@ SMALL = PRESETS["llama-tiny"]
 
 
 def checkpoint(worlds: list[int]) -> None:
-    """Per rank (0, which validates the tag for every rank, and 1): the files a load opens and
-    the bytes the save's and load's collectives move through the rank."""
+    """Per rank (0, which validates the tag for every rank, and 1): the bytes a load reads of
+    the manifest and its index, the files it opens, and the bytes the save's and load's
+    collectives move through the rank; with the index, then without it (as before it existed:
+    every rank parses the whole manifest, as checkpoints written before it still load)."""
     config = {**ZERO3, "train_micro_batch_size_per_gpu": 1,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}  # fmt: skip
-    print("| world | manifest (MB) | rank | load: files opened (opens) | load: collective bytes "
-          "| save: collective bytes | save + load (s) |")  # fmt: skip
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| world | manifest (MB) | rank | index | load: manifest + index bytes read "
+          "| load: files opened (opens) | load: collective bytes | save: collective bytes "
+          "| save + load (s) |")  # fmt: skip
+    print("| ---: | ---: | ---: | :---: | ---: | ---: | ---: | ---: | ---: |")
     for world in worlds:
         cluster = Cluster(max(1, world // 8), min(8, world))
         root = Path(tempfile.mkdtemp())
         tag = world_checkpoint(SMALL, config, cluster, root)
-        manifest = (tag / "manifest.json").stat().st_size / 1e6
-        for rank in (0, 1):
-            with fake_world(rank, cluster):
-                engine = engine_as(rank, SMALL, config)
-                start = time.perf_counter()
-                comm.reset_comm_volume()
-                with file_opens(root) as opens:
-                    engine.load_checkpoint(str(root))
-                loaded = sum(c["bytes"] for c in comm.comm_volume().values())
-                target = Path(tempfile.mkdtemp())
-                (target / ".saved.partial").mkdir()  # rank 0 makes it: in a dry run, no rank 0
-                comm.reset_comm_volume()
-                engine.save_checkpoint(str(target), tag="saved")
-                saved = sum(c["bytes"] for c in comm.comm_volume().values())
-                seconds = time.perf_counter() - start
-            print(f"| {world} | {manifest:.1f} | {rank} | {len(opens)} ({sum(opens.values())}) "
-                  f"| {loaded:,} | {saved:,} | {seconds:.2f} |", flush=True)  # fmt: skip
+        manifest = (tag / MANIFEST).stat().st_size / 1e6
+        for indexed in (True, False):
+            if not indexed:
+                (tag / INDEX).unlink()
+            for rank in (0, 1):
+                with fake_world(rank, cluster):
+                    engine = engine_as(rank, SMALL, config)
+                    start = time.perf_counter()
+                    comm.reset_comm_volume()
+                    reset_bytes_read()
+                    with file_opens(root) as opens:
+                        engine.load_checkpoint(str(root))
+                    read = bytes_read()
+                    loaded = sum(c["bytes"] for c in comm.comm_volume().values())
+                    target = Path(tempfile.mkdtemp())
+                    (target / ".saved.partial").mkdir()  # rank 0 makes it: in a dry run, no rank 0
+                    comm.reset_comm_volume()
+                    engine.save_checkpoint(str(target), tag="saved")
+                    saved = sum(c["bytes"] for c in comm.comm_volume().values())
+                    seconds = time.perf_counter() - start
+                parsed = read.get(MANIFEST, 0) + read.get(INDEX, 0)
+                print(f"| {world} | {manifest:.1f} | {rank} | {'yes' if indexed else 'no'} "
+                      f"| {parsed:,} | {len(opens)} ({sum(opens.values())}) | {loaded:,} "
+                      f"| {saved:,} | {seconds:.2f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

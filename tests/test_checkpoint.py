@@ -138,6 +138,7 @@ def test_no_file_is_a_pickle(pool2, tmp_path):
     assert {p.name for p in files} == {
         ".lock",  # JSON naming the job that saves here
         "latest",
+        "index.jsonl",  # what one rank of a load reads of the manifest, by offset
         "manifest.json",
         "rank00000.safetensors",
         "rank00001.safetensors",

@@ -422,3 +422,18 @@ def test_two_ranks_refuse_alike(pool2, tmp_path, case):
         pool2.run(_corrupt_and_load, str(save_dir), case)
     assert str(failure.value).count("CheckpointError") >= 2
     assert re.search(CASES[case].message, str(failure.value))
+
+
+def _edit_steps_and_load(save_dir: str) -> int:
+    if torch.distributed.get_rank() == 0:
+        edit(set_value("counters", "global_steps", value=7), checksum=True)(Path(save_dir) / TAG)
+    torch.distributed.barrier()
+    return run(2, load=save_dir)
+
+
+def test_a_manifest_edited_after_the_save_is_read_whole_by_every_rank(pool2, tmp_path):
+    """The index (what ranks other than 0 read) is derived from the manifest at save: after a
+    valid edit of the manifest, rank 0 finds it stale and every rank reads the manifest."""
+    save_dir = tmp_path / "ckpt"
+    pool2.run(run, 2, str(save_dir))
+    assert pool2.run(_edit_steps_and_load, str(save_dir)) == [7, 7]

@@ -110,7 +110,11 @@ def test_import_deepspeed_writes_a_shardspeed_checkpoint(tmp_path: Path) -> None
     assert done.returncode == 0, done.stderr
     tag = tmp_path / "converted" / "global_step3"
     assert (tmp_path / "converted" / "latest").read_text() == "global_step3"
-    assert sorted(p.name for p in tag.iterdir()) == ["manifest.json", "rank00000.safetensors"]
+    assert sorted(p.name for p in tag.iterdir()) == [
+        "index.jsonl",
+        "manifest.json",
+        "rank00000.safetensors",
+    ]
     verify = subprocess.run(
         [sys.executable, "-m", "shardspeed.checkpoint.cli", "verify", str(tag)],
         capture_output=True, text=True, timeout=120,

@@ -357,22 +357,26 @@ def test_the_step_time_model_is_within_its_bound_of_published_runs(name):
 
 def test_per_rank_checkpoint_reads_and_traffic_do_not_grow_with_the_world(tmp_path):
     """The checkpoint of a whole world, each rank's part of the save run as that rank on the fake
-    group (files as headers, holes for the bytes). Rank 1's load opens the manifest, rank 0's
-    file and its own, at 4 ranks and 8 alike: rank 0 validates every file's header once and
-    shares its verdict. Rank 1's save sends its own report to rank 0 and receives only verdicts."""
+    group (files as headers, holes for the bytes). Rank 1's load opens the index, rank 0's file
+    and its own, at 4 ranks and 8 alike, and reads no more of the index at 8: rank 0 validates
+    every file's header and the index once and shares its verdict. Rank 1's save sends its own
+    report to rank 0 and receives only verdicts."""
     from shardspeed import comm
+    from shardspeed.checkpoint import format as ckpt_format
     from shardspeed.planning.checkpoints import engine_as, file_opens, world_checkpoint
     from shardspeed.planning.dry_run import fake_world
 
-    opened, moved = {}, {}
+    opened, moved, read = {}, {}, {}
     for world in (4, 8):
         cluster, root = Cluster(1, world), tmp_path / str(world)
-        world_checkpoint(LLAMA, ds_config(3), cluster, root)
+        tag = world_checkpoint(LLAMA, ds_config(3), cluster, root)
         for rank in (0, 1):
             with fake_world(rank, cluster):
                 engine = engine_as(rank, LLAMA, ds_config(3))
+                ckpt_format.reset_bytes_read()
                 with file_opens(root) as opens:
                     engine.load_checkpoint(str(root))
+                read[world, rank] = ckpt_format.bytes_read()
                 target = tmp_path / f"saved{world}-{rank}"
                 (target / ".saved.partial").mkdir(parents=True)  # what rank 0 makes
                 comm.reset_comm_volume()
@@ -380,9 +384,23 @@ def test_per_rank_checkpoint_reads_and_traffic_do_not_grow_with_the_world(tmp_pa
                 moved[world, rank] = comm.comm_volume()
             opened[world, rank] = dict(opens)
     files = {f"rank{r:05d}.safetensors" for r in range(8)}
-    assert set(opened[8, 0]) - files == {"latest", "manifest.json"} and files <= set(opened[8, 0])
+    assert set(opened[8, 0]) - files == {"latest", "manifest.json", "index.jsonl"}
+    assert files <= set(opened[8, 0])
     assert opened[4, 1] == opened[8, 1]
-    assert set(opened[8, 1]) == {"latest", "manifest.json", *sorted(files)[:2]}
+    assert set(opened[8, 1]) == {"latest", "index.jsonl", *sorted(files)[:2]}
+    # Rank 1 reads its share of the index, which does not grow; rank 0 reads all of it.
+    assert "manifest.json" not in read[8, 1]
+    assert read[8, 1]["index.jsonl"] <= read[4, 1]["index.jsonl"] < read[4, 0]["index.jsonl"]
+    assert read[8, 0]["index.jsonl"] == (tag / "index.jsonl").stat().st_size
+    # What the index gives a rank is what the manifest says, for any range of any tensor.
+    manifest, index = ckpt_format.parse_manifest(tag), ckpt_format.ManifestIndex(tag)
+    for name, entry in manifest["tensors"].items():
+        numel = torch.Size(entry["shape"]).numel()
+        for start, length in ((0, numel), (numel // 3, numel // 2), (numel - 1, 1)):
+            want = sorted(
+                p for p in entry["pieces"] if p[3] and p[2] < start + length and start < p[2] + p[3]
+            )
+            assert sorted(index.pieces(name, start, length)) == want, (name, start, length)
     # Rank 1 gathers nobody's report; rank 0 receives all of them.
     assert "all_gather" not in moved[8, 1] and moved[4, 1].keys() == moved[8, 1].keys()
     gathered = {key: moved[key]["gather"]["bytes"] for key in moved}

@@ -23,9 +23,11 @@ from .consolidate import checkpoint_path, consolidate, parse_size
 from .engine_state import LATEST
 from .format import (
     CHECKSUM,
+    INDEX,
     MANIFEST,
     UNCHECKSUMMED_WARNING,
     CheckpointError,
+    check_index,
     checkpoint_problems,
     frozen_parameter_names,
     parse_manifest,
@@ -130,9 +132,11 @@ def _describe(path: Path, latest: bool) -> list[str]:
     for name, info in sorted(manifest["files"].items()):
         lines.append(f"    {name:<{width}}  {info['bytes']:>14,} bytes")
         total += info["bytes"]
-    manifest_bytes = (path / MANIFEST).stat().st_size
-    lines.append(f"    {MANIFEST:<{width}}  {manifest_bytes:>14,} bytes")
-    total += manifest_bytes
+    for name in (INDEX, MANIFEST):
+        if (path / name).exists():
+            size = (path / name).stat().st_size
+            lines.append(f"    {name:<{width}}  {size:>14,} bytes")
+            total += size
     lines.append(f"    {'total':<{width}}  {total:>14,} bytes ({_human(total)})")
     return lines
 
@@ -203,6 +207,7 @@ def _verify(args: argparse.Namespace) -> int:
             print(f"{path.name}: ok ({len(manifest['files'])} files, {size:,} bytes checked)")
             if CHECKSUM not in manifest:
                 print(f"{path.name}: warning: {MANIFEST} {UNCHECKSUMMED_WARNING}")
+            check_index(path, manifest, lambda line: print(f"warning: {line}"))
     for line in problems:
         print(line)
     if problems:

@@ -44,18 +44,22 @@ from .format import (
     DTYPE_NAMES,
     DTYPES,
     FORMAT,
+    INDEX,
     MANIFEST,
     VERSION,
     ByteReader,
     CheckpointError,
+    ManifestIndex,
     Piece,
     Split,
     StoredTensors,
     TensorSource,
+    check_index,
     check_tag_name,
     fsync_dir,
     manifest_checksum,
     parse_manifest,
+    rank_of_file,
     read_manifest,
     write_manifest,
     write_tensor_file,
@@ -745,37 +749,64 @@ def open_checkpoint(path: Path) -> tuple[dict[str, Any], TensorSource]:
     return manifest, TensorSource(reader, manifest["tensors"], manifest["splits"])
 
 
-def _open_validated_once(path: Path, doing: str) -> tuple[dict[str, Any], TensorSource]:
+def _open_validated_once(
+    path: Path, doing: str
+) -> tuple[dict[str, Any], TensorSource, dict[str, Any] | None, list[str]]:
     """`open_checkpoint` for every rank of a load, each rank's cost independent of the world:
-    rank 0 validates the tag (`read_manifest`: every file's size and header, every piece) and
-    shares its verdict, the manifest's checksum; every other rank parses the manifest and checks
-    that it is the one rank 0 validated, opening no other file."""
+    rank 0 validates the tag (`read_manifest`: every file's size and header, every piece), and
+    checks that the index is the manifest's (`check_index`); it shares its verdict, the index's
+    checksum. Every other rank reads the index's first line, checks that it is the one rank 0
+    validated, and then reads just the rows it needs (`ManifestIndex`). Without a matching index
+    (a checkpoint of an earlier version, an edited manifest), the verdict is the manifest's
+    checksum, and every rank parses the manifest.
+
+    Returns the manifest (less `files`, `ranks` and pieces when read through the index), the
+    tensors, this rank's entry of `ranks` (None when the save had fewer ranks) and the files of
+    rank 0 and of this rank, where the tensors of the JSON state lie."""
     rank = get_rank()
-    verdict: dict[str, Any] = {"rank": 0, "error": None, "checksum": None}
+    verdict: dict[str, Any] = {"rank": 0, "error": None, "index": False, "checksum": None}
     manifest: Any = None
+    index: ManifestIndex | None = None
     try:
-        manifest = read_manifest(path) if rank == 0 else parse_manifest(path)
-        verdict["checksum"] = manifest_checksum(manifest) if isinstance(manifest, dict) else None
+        if rank == 0:
+            manifest = read_manifest(path)
+            verdict["checksum"] = check_index(path, manifest)
+            verdict["index"] = verdict["checksum"] is not None
+        elif (path / INDEX).exists():
+            index = ManifestIndex(path)
+            verdict.update(index=True, checksum=index.checksum)
+        if not verdict["index"]:
+            manifest = manifest if rank == 0 else parse_manifest(path)
+            verdict["checksum"] = (
+                manifest_checksum(manifest) if isinstance(manifest, dict) else None
+            )
     except Exception as err:
         verdict["error"] = _error_text(err)
-    mine = verdict["checksum"]
+    mine, my_error = verdict["checksum"], verdict["error"]
     verdict = broadcast_json(verdict)
     _raise_if_any_failed([verdict], doing)
     with _agreed(doing):
+        if my_error:  # rank 0 read the tag, this rank could not
+            raise CheckpointError(my_error)
+        if index is not None and not verdict["index"]:  # rank 0 found the index stale
+            index, manifest = None, parse_manifest(path)
+            mine = manifest_checksum(manifest) if isinstance(manifest, dict) else None
         if mine != verdict["checksum"]:
             raise CheckpointError(
-                f"{path / MANIFEST} is not the manifest rank 0 validated (it changed while "
-                "loading, or this node sees another copy of the directory): load again, from a "
-                "directory every node sees alike"
+                f"{path / (INDEX if verdict['index'] else MANIFEST)} is not the one rank 0 "
+                "validated (it changed while loading, or this node sees another copy of the "
+                "directory): load again, from a directory every node sees alike"
             )
+    if index is not None:
+        reader = ByteReader(path, index.files)
+        manifest = index.manifest
+        source = TensorSource(reader, manifest["tensors"], manifest["splits"], index.pieces)
+        entry, own = index.rank(rank)
+        return manifest, source, entry, [*index.rank(0)[1], *(own if rank else [])]
     reader = ByteReader(path, manifest["files"])
-    return manifest, TensorSource(reader, manifest["tensors"], manifest["splits"])
-
-
-def _rank_of_file(name: str) -> int | None:
-    """The saving rank of a file named by `rank_file` (or a later part of it), else None."""
-    stem = name.split(".")[0].split("-")[0]
-    return int(stem[4:]) if stem.startswith("rank") and stem[4:].isdigit() else None
+    source = TensorSource(reader, manifest["tensors"], manifest["splits"])
+    entry = manifest["ranks"][rank] if rank < len(manifest["ranks"]) else None
+    return manifest, source, entry, [n for n in manifest["files"] if rank_of_file(n) in (0, rank)]
 
 
 def load_engine(
@@ -835,7 +866,7 @@ def _load(
         return None, None
     path = Path(load_dir) / name
     doing = f"loading checkpoint {path}"
-    manifest, source = _open_validated_once(path, doing)
+    manifest, source, rank_entry, state_files = _open_validated_once(path, doing)
     if engine.run_config.checkpoint.load_universal:
         logger.info("checkpoint.load_universal: every shardspeed checkpoint is universal already")
     pieces = load_parameters(
@@ -848,11 +879,7 @@ def _load(
 
     # The tensors a load restores from JSON sit in rank 0's files (client state, scheduler) and
     # in this rank's (its RNG states): read those headers first, and no others unless needed.
-    rank = get_rank()
-    stored = StoredTensors(
-        source.reader, [n for n in manifest["files"] if _rank_of_file(n) in (0, rank)]
-    )
-    read_extra = stored.get
+    read_extra = StoredTensors(source.reader, state_files).get
 
     with _agreed(doing):  # also the load's last barrier
         if not load_module_only:
@@ -863,6 +890,7 @@ def _load(
                 pieces,
                 read_extra,
                 (load_optimizer_states, load_lr_scheduler_states),
+                rank_entry,
             )
         client_state = decode(manifest["client_state"], read_extra)
     return str(path), client_state
@@ -875,9 +903,11 @@ def _load_training_state(
     pieces: list[list[tuple[str, int, int, int]]],
     read_extra: Callable[[str], torch.Tensor],
     options: tuple[bool, bool],
+    rank_entry: dict[str, Any] | None,
 ) -> None:
-    """Optimizer, loss scaler, LR scheduler, counters, data loader position and this rank's RNG,
-    as `options` (load optimizer states, load LR scheduler states) say."""
+    """Optimizer, loss scaler, LR scheduler, counters, data loader position and this rank's RNG
+    (from `rank_entry`, its entry of the manifest's `ranks`), as `options` (load optimizer
+    states, load LR scheduler states) say."""
     load_optimizer_states, load_lr_scheduler_states = options
     zopt = engine.optimizer
     if load_optimizer_states:
@@ -892,9 +922,8 @@ def _load_training_state(
     engine._first_micro_step = engine.micro_steps
     if engine.training_dataloader is not None and manifest["data_loader"] is not None:
         engine.training_dataloader.load_state_dict(manifest["data_loader"])
-    rank = get_rank()
-    if rank < len(manifest["ranks"]):
-        _set_rng_state(decode(manifest["ranks"][rank]["rng"], read_extra))
+    if rank_entry is not None:
+        _set_rng_state(decode(rank_entry["rng"], read_extra))
 
 
 def load_parameters(

@@ -19,8 +19,10 @@ import logging
 import math
 import os
 import struct
+import weakref
 import zlib
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,9 @@ UNCHECKSUMMED_WARNING = (
     "their values cannot be detected; save the state again to add one"
 )
 MANIFEST = "manifest.json"
+# Derived from the manifest at save, so that a loading rank reads its share of it by offset.
+INDEX = "index.jsonl"
+INDEX_FORMAT = "shardspeed-checkpoint-index"
 CHECKSUM = "checksum"
 CHUNK_BYTES = 4 << 20
 
@@ -59,6 +64,20 @@ DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read as asked; the message names the file or tag."""
+
+
+# Bytes this process read of checkpoint files, by file name (manifest, index, tensor files): the
+# measure of what a rank's load costs, read as `comm_volume` is for collectives.
+_bytes_read: Counter = Counter()
+
+
+def bytes_read() -> dict[str, int]:
+    """Bytes read of each checkpoint file (by name) since `reset_bytes_read`."""
+    return dict(_bytes_read)
+
+
+def reset_bytes_read() -> None:
+    _bytes_read.clear()
 
 
 # -- writing --------------------------------------------------------------------------------------
@@ -133,9 +152,13 @@ def _write_with_holes(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 def write_json_atomic(path: Path, value: Any) -> None:
     """Write JSON next to `path`, fsync, and rename over it: readers see the old or the new file."""
+    _write_atomic(path, json.dumps(value, indent=1, sort_keys=True).encode())
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -151,10 +174,103 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Write `directory/manifest.json` atomically with its checksum, taken over the JSON a reader
-    will parse (tuples become lists, dict keys strings), so the reader computes the same."""
+    will parse (tuples become lists, dict keys strings), so the reader computes the same; and,
+    before it, the index derived from that JSON (`manifest_index`)."""
     value = json.loads(json.dumps(manifest))
     value[CHECKSUM] = manifest_checksum(value)
+    _write_atomic(directory / INDEX, manifest_index(value))
     write_json_atomic(directory / MANIFEST, value)
+
+
+def rank_of_file(name: str) -> int | None:
+    """The saving rank of a file named `rank<R>.safetensors` (or a later part of it,
+    `rank<R>-<i>.safetensors`), else None."""
+    stem = name.split(".")[0].split("-")[0]
+    return int(stem[4:]) if stem.startswith("rank") and stem[4:].isdigit() else None
+
+
+# The index's tables, in file order after its first line; each row is one JSON value padded with
+# spaces to the table's width, so that row i lies at a known offset.
+_TABLES = ("ranks", "files", "pieces")
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def manifest_index(manifest: dict[str, Any]) -> bytes:
+    """`index.jsonl` of a manifest (as parsed): what one rank of a load reads, by offset, instead
+    of the whole manifest, whose `files`, `ranks` and pieces grow with the world.
+
+    Line 1: `{"format", "tables": {table: [rows, row bytes]}, "manifest": ...}`, the manifest less
+    `checksum`, `files` and `ranks`, each tensor with `rows` ([first, count] of its pieces) in
+    place of `pieces`. Then the tables, each row a fixed-width line: `ranks` (per saving rank its
+    entry and the rows of its files), `files` (`[name, bytes, chunk_bytes, crc32]`, by name) and
+    `pieces` (`[file row, byte offset, start, length]`, by tensor name then start, empty ones
+    left out). A function of the manifest alone, so that a reader can check an index is its own.
+    """
+    names = sorted(manifest["files"])
+    file_rows = {name: i for i, name in enumerate(names)}
+    rows: dict[str, list[Any]] = {
+        "files": [
+            [n, *(manifest["files"][n][k] for k in ("bytes", "chunk_bytes", "crc32"))]
+            for n in names
+        ],
+        "ranks": [],
+        "pieces": [],
+    }
+    owned: dict[int, list[int]] = {}
+    for name in names:
+        owned.setdefault(rank_of_file(name), []).append(file_rows[name])
+    for r, entry in enumerate(manifest["ranks"]):
+        rows["ranks"].append({**entry, "files": owned.get(r, [])})
+    tensors = {}
+    for name in sorted(manifest["tensors"]):
+        entry = manifest["tensors"][name]
+        pieces = sorted((p for p in entry["pieces"] if p[3]), key=lambda p: p[2])
+        tensors[name] = {k: v for k, v in entry.items() if k != "pieces"}
+        tensors[name]["rows"] = [len(rows["pieces"]), len(pieces)]
+        rows["pieces"] += [[file_rows[p[0]], p[1], p[2], p[3]] for p in pieces]
+    skipped = (CHECKSUM, "files", "ranks", "tensors")
+    body = {k: v for k, v in manifest.items() if k not in skipped}
+    tables, lines = {}, []
+    for table in _TABLES:
+        texts = [_compact(row) for row in rows[table]]
+        width = max(map(len, texts), default=0) + 1
+        tables[table] = [len(texts), width]
+        lines += [text.ljust(width - 1) + "\n" for text in texts]
+    head = {"format": INDEX_FORMAT, "tables": tables, "manifest": {**body, "tensors": tensors}}
+    return (_compact(head) + "\n" + "".join(lines)).encode()
+
+
+def index_checksum(head: bytes) -> str:
+    """What the ranks of a load compare: "sha256:<hex>" of the index's first line."""
+    return "sha256:" + hashlib.sha256(head).hexdigest()
+
+
+STALE_INDEX_WARNING = (
+    f"does not match {MANIFEST} (the manifest was edited after the save?): every rank of a load "
+    f"reads the whole {MANIFEST} instead; save the state again to write a matching index"
+)
+
+
+def check_index(
+    path: Path, manifest: dict[str, Any], warn: Callable[[str], None] = logger.warning
+) -> str | None:
+    """The checksum of tag directory `path`'s index when it is the one its validated `manifest`
+    gives, else None: there is none (written before indexes existed), or it does not match (the
+    manifest was edited after the save), which is passed to `warn`; a load then reads the
+    manifest on every rank."""
+    try:
+        stored = (path / INDEX).read_bytes()
+    except FileNotFoundError:
+        return None
+    _bytes_read[INDEX] += len(stored)
+    expected = manifest_index(manifest)
+    if stored != expected:
+        warn(f"{path / INDEX} {STALE_INDEX_WARNING}")
+        return None
+    return index_checksum(expected[: expected.index(b"\n") + 1])
 
 
 # -- reading --------------------------------------------------------------------------------------
@@ -278,6 +394,7 @@ class ByteReader:
         path = self.path(name)
         if not path.exists():
             raise CheckpointError(f"{path}: missing")
+        _bytes_read[name] += length
         if self.files is None:
             with open(path, "rb") as f:
                 f.seek(offset)
@@ -373,8 +490,12 @@ class TensorSource:
         reader: ByteReader,
         tensors: dict[str, dict[str, Any]],
         splits: dict[str, dict[str, Any]] | None = None,
+        pieces: Callable[[str, int, int], list[list[Any]]] | None = None,
     ) -> None:
+        """`pieces(name, start, length)`: the pieces of `name` holding those elements (from an
+        index); without it, `tensors` lists every tensor's pieces."""
         self.reader = reader
+        self._pieces = pieces or (lambda name, start, length: self.tensors[name]["pieces"])
         self.tensors = dict(tensors)
         self.splits: dict[str, tuple[Split, list[str]]] = {}
         for name, info in (splits or {}).items():
@@ -436,7 +557,7 @@ class TensorSource:
         dtype = DTYPES[entry["dtype"]]
         out = torch.empty(length, dtype=dtype)
         filled = 0
-        for piece in map(Piece.from_json, entry["pieces"]):
+        for piece in map(Piece.from_json, self._pieces(name, start, length)):
             lo, hi = max(start, piece.start), min(start + length, piece.start + piece.length)
             if lo >= hi:
                 continue
@@ -485,6 +606,89 @@ class StoredTensors:
         if flat is None:
             return torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
         return flat.view(entry["shape"])
+
+
+class ManifestIndex:
+    """A tag's `index.jsonl` (`manifest_index`) as one rank of a load reads it: the first line
+    (the manifest's part that does not grow with the world), then only the rows it asks for, by
+    offset. `files` fills with the files of the rows read, for the `ByteReader`. Trusted as the
+    manifest rank 0 validated once its first line's checksum equals rank 0's."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path / INDEX
+        self._fd = os.open(self.path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
+        head = b""
+        while not head.endswith(b"\n"):
+            block = os.pread(self._fd, 4096, len(head))
+            _bytes_read[INDEX] += len(block)
+            if not block:
+                raise CheckpointError(f"{self.path}: truncated (no first line)")
+            head += block[: block.find(b"\n") + 1 or len(block)]
+        self.checksum = index_checksum(head)
+        value = json.loads(head)
+        self.manifest: dict[str, Any] = value["manifest"]
+        self._tables, offset = {}, len(head)
+        for table in _TABLES:
+            rows, width = value["tables"][table]
+            self._tables[table] = (offset, rows, width)
+            offset += rows * width
+        self._rows: dict[tuple[str, int], Any] = {}
+        self._file_names: dict[int, str] = {}
+        self.files: dict[str, dict[str, Any]] = {}
+
+    def _row(self, table: str, i: int) -> Any:
+        if (table, i) not in self._rows:
+            offset, _, width = self._tables[table]
+            data = os.pread(self._fd, width, offset + i * width)
+            _bytes_read[INDEX] += len(data)
+            self._rows[table, i] = json.loads(data)
+        return self._rows[table, i]
+
+    def _file(self, row: int) -> str:
+        if row not in self._file_names:
+            name, size, chunk, crcs = self._row("files", row)
+            self.files[name] = {"bytes": size, "chunk_bytes": chunk, "crc32": crcs}
+            self._file_names[row] = name
+        return self._file_names[row]
+
+    def rank(self, rank: int) -> tuple[dict[str, Any] | None, list[str]]:
+        """What saving rank `rank` left: its entry of the manifest's `ranks` (None when the
+        save had fewer ranks) and the names of its files."""
+        if rank >= self._tables["ranks"][1]:
+            return None, []
+        entry = dict(self._row("ranks", rank))
+        return entry, [self._file(row) for row in entry.pop("files")]
+
+    def pieces(self, name: str, start: int, length: int) -> list[list[Any]]:
+        """The pieces of tensor `name` that hold elements [start, start + length): its rows
+        (sorted by start, covering it once) searched from where an even split puts `start`,
+        so a regular layout costs a row or two whatever the number of rows."""
+        entry = self.manifest["tensors"][name]
+        first, count = entry["rows"]
+        if not count or not length:
+            return []
+        numel = math.prod(entry["shape"])
+        lo, hi = 0, count  # the row holding `start` lies in [lo, hi)
+        i, probes = min(count - 1, start * count // max(numel, 1)), 0
+        while True:
+            _, _, begin, size = self._row("pieces", first + i)
+            if begin > start:
+                hi = i
+            elif begin + size <= start:
+                lo = i + 1
+            else:
+                break
+            if lo >= hi:
+                return []
+            probes += 1
+            # The neighbour first (an even split is off by one at most), then halves.
+            i = (hi - 1 if begin > start else lo) if probes == 1 else (lo + hi) // 2
+        found = []
+        while i < count and (row := self._row("pieces", first + i))[2] < start + length:
+            found.append([self._file(row[0]), row[1], row[2], row[3], entry["dtype"]])
+            i += 1
+        return found
 
 
 # -- the manifest, validated ----------------------------------------------------------------------
@@ -554,7 +758,9 @@ def parse_manifest(path: Path) -> Any:
     """The JSON of tag directory `path`'s manifest, not yet validated."""
     file = path / MANIFEST
     try:
-        return json.loads(file.read_bytes())
+        text = file.read_bytes()
+        _bytes_read[MANIFEST] += len(text)
+        return json.loads(text)
     except FileNotFoundError as err:
         raise CheckpointError(f"{file}: missing (no checkpoint there)") from err
     except ValueError as err:
