@@ -32,7 +32,9 @@ from shardspeed.checkpoint.cli import main as ckpt
 from shardspeed.checkpoint.deepspeed import import_deepspeed
 from shardspeed.checkpoint.format import (
     CHECKSUM,
+    INDEX,
     MANIFEST,
+    STALE_INDEX_WARNING,
     UNCHECKSUMMED_WARNING,
     manifest_checksum,
 )
@@ -431,9 +433,12 @@ def _edit_steps_and_load(save_dir: str) -> int:
     return run(2, load=save_dir)
 
 
-def test_a_manifest_edited_after_the_save_is_read_whole_by_every_rank(pool2, tmp_path):
+def test_a_manifest_edited_after_the_save_is_read_whole_by_every_rank(pool2, tmp_path, capsys):
     """The index (what ranks other than 0 read) is derived from the manifest at save: after a
-    valid edit of the manifest, rank 0 finds it stale and every rank reads the manifest."""
+    valid edit of the manifest, rank 0 finds it stale and every rank reads the manifest; verify
+    passes the tag and warns."""
     save_dir = tmp_path / "ckpt"
     pool2.run(run, 2, str(save_dir))
     assert pool2.run(_edit_steps_and_load, str(save_dir)) == [7, 7]
+    status, out = verify(save_dir, capsys)
+    assert status == 0 and f"warning: {save_dir / TAG / INDEX} {STALE_INDEX_WARNING}" in out, out
