@@ -407,14 +407,18 @@ def _setup(tmp_path: Path, autotuning: dict, **config: object) -> argparse.Names
     )
 
 
-def _tuner(tmp_path: Path, args: argparse.Namespace, mode: str = "", **kwargs: object) -> Autotuner:
+def _tuner(
+    tmp_path: Path, args: argparse.Namespace, mode: str = "", world_size: int = 1, **kwargs: object
+) -> Autotuner:
+    """A tuner whose trials run the fake script once (as a job of `world_size` ranks on one
+    node: the script reads only its config)."""
     env = {**os.environ, "FAKE_MODE": mode, "FAKE_TRAINED": str(tmp_path / "trained.json")}
 
     def plan(launch_args: argparse.Namespace) -> list[Launch]:
         argv = [sys.executable, launch_args.user_script, *launch_args.user_args]
         return [Launch(argv, env, remote=False)]
 
-    return Autotuner(args, plan=plan, world_size=1, cwd=str(tmp_path), **kwargs)
+    return Autotuner(args, plan=plan, world_size=world_size, cwd=str(tmp_path), **kwargs)
 
 
 def _tried(tuner: Autotuner) -> list[str]:
@@ -564,6 +568,79 @@ def test_refused_settings(tmp_path: Path) -> None:
         _tuner(tmp_path, _setup(tmp_path, {"model_info": {"profile": True}}))
     with pytest.raises(ConfigError, match="tuner_type"):
         _tuner(tmp_path, _setup(tmp_path, {"tuner_type": "bayes"}))
+
+
+def test_with_a_stated_gpu_the_trials_follow_the_step_time_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`autotuning.gpu` H100-SXM with an 8B model's parameter count and 4,096 tokens a sample,
+    a job of 8 ranks on one node, ZeRO 0-3 at micro-batches 1-8: no calibration trial; the
+    trials run in the step-time model's order (the planner's step_inputs through step_time),
+    stage 0 (16 bytes a parameter: 128 GB a rank) pruned as not fitting an H100's 80 GiB, and
+    each trial's log line and summary row show the prediction beside the measurement."""
+    from shardspeed.autotuning.step_time import step_time
+
+    autotuning = {
+        "gpu": "H100-SXM",
+        "model_info": {"num_params": 8 * 10**9, "tokens_per_sample": 4096},
+        "max_train_micro_batch_size_per_gpu": 8,
+        "tuner_num_trials": 4,
+    }
+    args = _setup(tmp_path, autotuning, zero_optimization={"stage": "all"}, bf16={"enabled": True})
+    tuner = _tuner(tmp_path, args, world_size=8)
+    tuner.tune()
+    err = capsys.readouterr().err
+    planner, cluster = tuner.planner, tuner.planner.cluster
+    assert (cluster.nodes, cluster.gpus_per_node, cluster.gpu) == (1, 8, "H100-SXM")
+    assert len(tuner.trials) == 4 and not any(t.calibration for t in tuner.trials)
+    predicted = [
+        t.candidate.train_batch / step_time(planner.step_inputs(t.candidate), cluster).total
+        for t in tuner.trials
+    ]
+    assert [t.estimate.throughput for t in tuner.trials] == pytest.approx(predicted, rel=1e-9)
+    assert predicted == sorted(predicted, reverse=True)
+    ranked = planner.plan(tuner.candidates(), 80 * 2**30, per_stage=3).ranked
+    assert _tried(tuner) == [e.candidate.name for e in ranked[:4]]
+    pruned = {c.name: why for c, why in tuner.pruned}
+    assert all("limit" in pruned[f"z0_mbs{m}_gas1"] for m in (1, 2, 4, 8))
+    assert "order the step-time model predicts for 1 x 8 H100-SXM" in err
+    assert err.count("predicted by the step-time model") == 4
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    assert "the step-time model's prediction" in summary and "(calibration)" not in summary
+
+
+def test_without_a_gpu_kind_the_search_starts_from_calibration(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The step-time model needs the GPU kind (this machine's, or autotuning.gpu) and the model's
+    size: without them the tuner says so once and calibrates as before (the trial tests above);
+    a kind it does not know is refused naming the key."""
+    from shardspeed.autotuning.systems import gpu_kind_of
+    from shardspeed.autotuning.tuner import local_gpu_kind
+
+    tuner = _tuner(tmp_path, _setup(tmp_path, {}))
+    assert tuner.predicting_planner(tuner.candidates()) is None
+    kind, name = local_gpu_kind()
+    said = capsys.readouterr().err
+    if kind is None:  # this machine's accelerator (none on a CPU machine)
+        assert f"the step-time model has no GPU kind ({name} here" in said
+    assert "the search starts from calibration trials" in said
+    stated = _tuner(tmp_path, _setup(tmp_path, {"gpu": "A100-80GB"}))
+    assert stated.predicting_planner(stated.candidates()) is None
+    assert "needs autotuning.model_info.num_params and autotuning.model_info.tokens_per_sample" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(ConfigError, match=r"'autotuning.gpu' is 'H100', not a GPU kind"):
+        _tuner(tmp_path, _setup(tmp_path, {"gpu": "H100"}))
+    names = {
+        "NVIDIA H100 80GB HBM3": "H100-SXM",
+        "NVIDIA H100 PCIe": None,
+        "NVIDIA A100-SXM4-40GB": "A100-40GB",
+        "NVIDIA A100 80GB PCIe": "A100-80GB",
+        "NVIDIA H200": "H200",
+        "Tesla V100-SXM2-32GB": "V100-32GB",
+    }
+    assert {name: gpu_kind_of(name) for name in names} == names
 
 
 def test_candidates_the_loader_refuses_are_not_tried(tmp_path: Path) -> None:

@@ -81,6 +81,29 @@ _DEFAULT_SYSTEM = {
     "B200": "dgx-b200",
 }
 
+# Words of an accelerator's name (as torch.cuda.get_device_name gives it, "NVIDIA H100 80GB
+# HBM3") that tell its kind; all of a row's words must appear. PCIe and NVL H100s run at other
+# clocks than the SXM part, so they are not taken for it.
+_DEVICE_NAMES = (
+    (("H200",), "H200"),
+    (("B200",), "B200"),
+    (("H100", "HBM3"), "H100-SXM"),
+    (("H100", "SXM"), "H100-SXM"),
+    (("A100", "80GB"), "A100-80GB"),
+    (("A100", "40GB"), "A100-40GB"),
+    (("V100", "32GB"), "V100-32GB"),
+)
+
+
+def gpu_kind_of(device_name: str) -> str | None:
+    """The `GPUS` kind an accelerator's name denotes, or None when the table has no such kind."""
+    words = device_name.upper()
+    for needed, kind in _DEVICE_NAMES:
+        if all(word in words for word in needed):
+            return kind
+    return None
+
+
 INTRA_NODE = "intra-node"
 INTER_NODE = "inter-node"
 

@@ -9,7 +9,10 @@ which prunes what would not fit and orders the rest; trials then run in that ord
 (``gridsearch``), shuffled (``random``) or re-ranked before each pick (``model_based``), until
 ``tuner_num_trials`` trials ran or ``tuner_early_stopping`` trials in a row did not beat the best.
 The planner is refitted to every trial measured so far before each pick, so each trial's estimate
-comes from the trials before it.
+comes from the trials before it. When the step-time model can be used (the GPU kind, the parameter
+count and the tokens a sample known: ``Autotuner.predicting_planner``), it ranks the candidates
+before any trial instead: no calibration, and each trial shows its prediction beside what it
+measured.
 
 The engine's side, when its config has ``autotuning.enabled`` true and ``autotuning.metric_path``
 set (trial configs do; see docs/autotuning.md for the full contract): time optimizer steps
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -74,6 +78,7 @@ from .planner import (
     format_bytes,
     micro_batch_sizes,
 )
+from .systems import GPUS, Cluster, gpu_kind_of
 
 CONFIG_FILE = "ds_config.json"
 METRICS_FILE = "metrics.json"
@@ -369,6 +374,17 @@ def local_memory_bytes(ranks_per_node: int) -> tuple[float, str]:
     return available / ranks_per_node, f"available host memory here / {ranks_per_node} rank(s)"
 
 
+def local_gpu_kind() -> tuple[str | None, str]:
+    """This machine's accelerator as a kind of the step-time model's table (None when it has no
+    CUDA device or the table lacks its kind), and its name."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, "no CUDA device"
+    name = torch.cuda.get_device_name(0)
+    return gpu_kind_of(name), name
+
+
 def parse_bytes(text: str) -> float:
     """Bytes from ``8e10``, ``80G`` or ``80GiB`` (K, M, G, T are powers of 1024)."""
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(?:i?B)?\s*", text)
@@ -445,11 +461,16 @@ class Autotuner:
         problems = refused_settings(self.section)
         if problems:
             raise ConfigError(problems)
+        if self.section.gpu is not None and self.section.gpu not in GPUS:
+            raise ConfigError(
+                f"'autotuning.gpu' is {self.section.gpu!r}, not a GPU kind the step-time model "
+                f"knows: choose one of {', '.join(GPUS)}, or leave it out"
+            )
         # Ranks of one node share its host memory when trials run on the CPU.
-        self.ranks_per_node = world_size
+        self.nodes, self.ranks_per_node = 1, world_size
         if world_size is None:
-            nodes, self.ranks_per_node = job_shape(args, _count_local_devices)
-            world_size = nodes * self.ranks_per_node
+            self.nodes, self.ranks_per_node = job_shape(args, _count_local_devices)
+            world_size = self.nodes * self.ranks_per_node
         if world_size % self.section.mp_size:
             raise TuningError(
                 f"{world_size} processes do not split into model-parallel groups of "
@@ -466,6 +487,7 @@ class Autotuner:
         self.trials: list[Trial] = []
         self.pruned: list[tuple[Candidate, str]] = []
         self.planner: Planner | None = None
+        self.predicted = False  # the step-time model ordered the trials (no calibration)
         self.fitted_to = 0  # measurements the planner is fitted to
         self.best: Trial | None = None
 
@@ -598,17 +620,13 @@ class Autotuner:
             bandwidth = float(measured["bus_bandwidth_bytes_per_s"])
             optimizer_s_per_param = float(measured.get("optimizer_s_per_param") or 0.0)
         zero = self.base_config.get("zero_optimization") or {}
-
-        def offloaded(name: str) -> bool:
-            return (zero.get(name) or {}).get("device", "none") != "none"
-
         planner = Planner(
             num_params=int(num_params),
             dp_size=self.dp_size,
             mp_size=self.section.mp_size,
             precision=precision,
-            offload_optimizer=offloaded("offload_optimizer"),
-            offload_param=offloaded("offload_param"),
+            offload_optimizer=_offloaded(zero, "offload_optimizer"),
+            offload_param=_offloaded(zero, "offload_param"),
             bandwidth=bandwidth,
             optimizer_s_per_param=optimizer_s_per_param,
             tokens_per_sample=float(metrics.get("tokens_per_sample") or 1.0),
@@ -634,10 +652,133 @@ class Autotuner:
         )
 
     def tune(self) -> Trial:
-        """Run the trials; returns the best one (also in `best`). Results are written as it goes."""
+        """Run the trials; returns the best one (also in `best`). Results are written as it goes.
+
+        With the step-time model usable (`predicting_planner`) the trials follow its prediction
+        from the first; otherwise two calibration trials fit the planner that orders the rest."""
         self.results_dir.mkdir(parents=True, exist_ok=True)
         validated = self.candidates()
         candidates = list(validated)
+        predicting = self.predicting_planner(validated)
+        if predicting is None:
+            queue = self._calibrate(validated, candidates)
+        else:
+            self.planner, self.predicted = predicting, True
+            queue = self._order(candidates)
+        without_gain = 0
+        self._write_results()
+        while (
+            queue
+            and len(self.trials) < self.section.tuner_num_trials
+            and without_gain < self.section.tuner_early_stopping
+        ):
+            self._refit()
+            if self.section.tuner_type == "model_based":
+                queue = self._rerank(queue)
+                if not queue:
+                    break
+            candidate = queue.pop(0)
+            trial = self.run_trial(candidate, self.planner.estimate(candidate))
+            self._report(trial)
+            if trial.ok and (self.best is None or self._score(trial) > self._score(self.best)):
+                self.best, without_gain = trial, 0
+            else:
+                without_gain += 1
+            self._write_results()
+        self._refit()  # the summary's model: fitted to every trial
+        self._write_results()
+        best = self.best
+        if best is None:
+            raise TuningError(
+                f"no trial succeeded: see the stderr.log of each trial under {self.exps_dir}"
+            )
+        if without_gain >= self.section.tuner_early_stopping and queue:
+            self._say(
+                f"early stop: {without_gain} trials in a row did not beat {best.candidate.name}"
+            )
+        self._say(f"best: {best.candidate.name} ({self._metric_text(best)})")
+        self._say(f"summary: {self.results_dir / SUMMARY_FILE}")
+        return best
+
+    def predicting_planner(self, validated: Mapping[Candidate, ShardSpeedConfig]) -> Planner | None:
+        """The planner that ranks with the step-time model (docs/planning.md) before any trial,
+        for this job's nodes x processes per node of the GPU kind (`autotuning.gpu`, else this
+        machine's accelerator); None, saying why once, when the kind, the parameter count
+        (`model_info.num_params` or `model_info_path`) or the tokens a sample
+        (`model_info.tokens_per_sample`) is unknown."""
+        info = self.section.model_info
+        gpu, source = self.section.gpu, "autotuning.gpu"
+        if gpu is None:
+            gpu, name = local_gpu_kind()
+            source = f"this machine's {name}"
+            if gpu is None:
+                self._say(
+                    f"the step-time model has no GPU kind ({name} here; set autotuning.gpu to one "
+                    f"of {', '.join(GPUS)}): the search starts from calibration trials"
+                )
+                return None
+        num_params = info.num_params if info is not None else None
+        info_path = self.section.model_info_path
+        saved = {}
+        if info_path and os.path.isfile(info_path):
+            saved = _read_json(Path(info_path)) or {}
+        num_params = num_params or saved.get("num_params")
+        tokens = info.tokens_per_sample if info is not None else None
+        missing = [
+            key
+            for key, value in (
+                ("autotuning.model_info.num_params", num_params),
+                ("autotuning.model_info.tokens_per_sample", tokens),
+            )
+            if value is None
+        ]
+        if missing:
+            self._say(
+                f"the step-time model ({gpu}) needs {' and '.join(missing)} to rank layouts "
+                "before any trial: the search starts from calibration trials"
+            )
+            return None
+        cluster = Cluster(self.nodes, self.ranks_per_node, gpu)
+        if self.memory_limit_bytes is None:
+            self.memory_limit_bytes = float(cluster.gpu_kind.memory_bytes)
+            self.memory_limit_source = f"the memory of one {gpu}"
+        self._say(
+            f"trials in the order the step-time model predicts for {self.nodes} x "
+            f"{self.ranks_per_node} {gpu} ({source}), no calibration trials"
+        )
+        zero = self.base_config.get("zero_optimization") or {}
+        return Planner(
+            num_params=int(num_params),
+            dp_size=self.dp_size,
+            mp_size=self.section.mp_size,
+            precision=next(iter(validated.values())).precision,
+            offload_optimizer=_offloaded(zero, "offload_optimizer"),
+            offload_param=_offloaded(zero, "offload_param"),
+            tokens_per_sample=float(tokens),
+            activation_bytes_per_sample=float(saved.get("activation_bytes_per_sample") or 0.0),
+            cluster=cluster,
+        )
+
+    def _order(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        """The planner's order of `candidates` (shuffled by the random tuner); the pruned are
+        recorded."""
+        plan = self.planner.plan(
+            candidates,
+            self.memory_limit_bytes,
+            per_stage=self.section.num_tuning_micro_batch_sizes,
+            metric=self.section.metric,
+        )
+        self.pruned += [(estimate.candidate, why) for estimate, why in plan.pruned]
+        queue = [estimate.candidate for estimate in plan.ranked]
+        if self.section.tuner_type == "random":
+            self.rng.shuffle(queue)
+        return queue
+
+    def _calibrate(
+        self, validated: Mapping[Candidate, ShardSpeedConfig], candidates: list[Candidate]
+    ) -> list[Candidate]:
+        """The two calibration trials and the calibrated planner's order of the other
+        candidates."""
         first = min(candidates, key=lambda c: (-c.stage, c.micro_batch, -c.grad_accum))
         self._say(f"calibration trial {first.name} (the candidate needing the least memory)")
         calibration = self.run_trial(first, calibration=True)
@@ -667,46 +808,7 @@ class Autotuner:
         for trial in calibrated:
             trial.estimate = self.planner.estimate(trial.candidate)
         tried = {trial.candidate for trial in self.trials}
-        plan = self.planner.plan(
-            [c for c in candidates if c not in tried],
-            self.memory_limit_bytes,
-            per_stage=self.section.num_tuning_micro_batch_sizes,
-            metric=self.section.metric,
-        )
-        self.pruned += [(estimate.candidate, why) for estimate, why in plan.pruned]
-        queue = [estimate.candidate for estimate in plan.ranked]
-        if self.section.tuner_type == "random":
-            self.rng.shuffle(queue)
-        without_gain = 0
-        self._write_results()
-        while (
-            queue
-            and len(self.trials) < self.section.tuner_num_trials
-            and without_gain < self.section.tuner_early_stopping
-        ):
-            self._refit()
-            if self.section.tuner_type == "model_based":
-                queue = self._rerank(queue)
-                if not queue:
-                    break
-            candidate = queue.pop(0)
-            trial = self.run_trial(candidate, self.planner.estimate(candidate))
-            self._report(trial)
-            if trial.ok and self._score(trial) > self._score(self.best):
-                self.best, without_gain = trial, 0
-            else:
-                without_gain += 1
-            self._write_results()
-        self._refit()  # the summary's model: fitted to every trial
-        self._write_results()
-        if without_gain >= self.section.tuner_early_stopping and queue:
-            self._say(
-                f"early stop: {without_gain} trials in a row did not beat {self.best.candidate.name}"
-            )
-        best = self.best
-        self._say(f"best: {best.candidate.name} ({self._metric_text(best)})")
-        self._say(f"summary: {self.results_dir / SUMMARY_FILE}")
-        return self.best
+        return self._order([c for c in candidates if c not in tried])
 
     def _second_calibration(
         self, first: Candidate, candidates: Sequence[Candidate]
@@ -728,7 +830,10 @@ class Autotuner:
 
     def _refit(self) -> None:
         """Fit the planner to every successful trial so far (each estimate is then made from all
-        the trials before it); only ``model_based`` also re-ranks with it."""
+        the trials before it); only ``model_based`` also re-ranks with it. The step-time model's
+        prediction is not refitted: each trial shows it beside the measurement."""
+        if self.predicted:
+            return
         measured = [self._measurement(trial) for trial in self.trials if trial.ok]
         if len(measured) > self.fitted_to:
             self.planner, self.fitted_to = self.planner.calibrate(measured), len(measured)
@@ -757,7 +862,8 @@ class Autotuner:
             text += f", {self._metric_text(trial)}"
         error = trial.throughput_error()
         if error is not None:
-            text += f", estimated {trial.estimate.throughput:.4g} samples/s ({error:+.1%})"
+            said = "predicted by the step-time model" if self.predicted else "estimated"
+            text += f", {said} {trial.estimate.throughput:.4g} samples/s ({error:+.1%})"
         self._say(text)
 
     def mean_abs_error(self) -> tuple[float | None, float | None]:
@@ -822,6 +928,7 @@ class Autotuner:
                 "bus_bandwidth_bytes_per_s": planner.bandwidth,
                 "memory_limit_bytes": self.memory_limit_bytes,
                 "memory_limit_source": self.memory_limit_source,
+                "step_time_model": dataclasses.asdict(planner.cluster) if self.predicted else None,
             }
         best = self.best.candidate.name if self.best else None
         _write_json(
@@ -859,6 +966,11 @@ class Autotuner:
         for launch in launches:
             print(f"shardspeed: {shlex.join(launch.argv)}", file=sys.stderr, flush=True)
         return runner.run_launches(launches)
+
+
+def _offloaded(zero: Mapping[str, Any], key: str) -> bool:
+    """Whether the user's `zero_optimization` section offloads `key` (a device other than none)."""
+    return (zero.get(key) or {}).get("device", "none") != "none"
 
 
 def _number(value: float | None, spec: str = ".4g") -> str:
@@ -912,7 +1024,22 @@ def _summary_text(
         f"{_number(throughput_error and 100 * throughput_error, '.1f')}%, memory "
         f"{_number(memory_error and 100 * memory_error, '.1f')}%",
     ]
-    if calibration is not None:
+    predicted = calibration is not None and calibration["step_time_model"] is not None
+    if predicted:
+        cluster = calibration["step_time_model"]
+        lines += [
+            "",
+            "estimates: the step-time model's prediction (docs/planning.md) for "
+            f"{cluster['nodes']} x {cluster['gpus_per_node']} {cluster['gpu']}, made before any "
+            "trial and not refitted:",
+            f"  {calibration['num_params']:,} parameters, {calibration['tokens_per_sample']:g} "
+            f"tokens a sample, {calibration['dp_size']} data-parallel x "
+            f"{calibration['mp_size']} model-parallel ranks, {calibration['precision']}",
+            f"  memory limit {_bytes(calibration['memory_limit_bytes'])} a rank "
+            f"({calibration['memory_limit_source']}); memory is the model states and "
+            f"{_bytes(calibration['activation_bytes_per_sample'])} of activations a sample",
+        ]
+    elif calibration is not None:
         bandwidth = calibration["bus_bandwidth_bytes_per_s"]
         lines += [
             "",

@@ -376,6 +376,11 @@ class AutotuningModelInfo(StrictModel):
     num_params: PositiveInt | None = None
     hidden_size: PositiveInt | None = None
     num_layers: PositiveInt | None = None
+    tokens_per_sample: PositiveInt | None = Field(
+        None,
+        description="shardspeed's own key: tokens in one sample (the sequence length), which the "
+        "step-time model needs to rank layouts before any trial",
+    )
 
 
 class AutotuningConfig(StrictModel):
@@ -402,6 +407,11 @@ class AutotuningConfig(StrictModel):
     mp_size: PositiveInt = 1
     model_info: AutotuningModelInfo | None = None
     model_info_path: str | None = None
+    gpu: str | None = Field(
+        None,
+        description="shardspeed's own key: the GPU kind the step-time model ranks layouts for "
+        "before any trial (default: this machine's accelerator, where the model knows it)",
+    )
 
     @model_validator(mode="after")
     def _profile_window(self) -> AutotuningConfig:
