@@ -181,6 +181,10 @@ def test_a_dry_run_reports_what_real_ranks_hold_and_send(pool2, pool4, case):
         for plan in dry.ranks:
             p2p = {c.kind: (c.bytes, c.count) for c in plan.collectives if c.group_size == 2}
             assert p2p["send"] == p2p["recv"] == (nbytes, 2), plan.rank
+        # Asked for alone, a second stage's rank first runs (unreported) the rank sending to it.
+        alone = dry_run(source, config, Cluster(1, 4), ranks=[3], seq_len=SEQ, batch=pipe_batch,
+                        backend="gloo")  # fmt: skip
+        assert alone.ranks == [dry.ranks[3]]
 
 
 @pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])

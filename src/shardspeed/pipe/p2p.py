@@ -13,8 +13,9 @@ activations that need them.
 
 On torch's fake process group (a dry run, `shardspeed.planning`, which runs the ranks one after
 another in one process) nothing arrives: a receiver reads the description its sender left on
-`_fake_wire` when it ran, so a dry run of a later stage needs its sender's run before it. Every
-transfer is still posted (and counted) as in a real run.
+`_fake_wire` when it ran, so a dry run of a later stage needs its sender's run before it (the dry
+run starts it when `ActivationShapesUnknown` says so). Every transfer is still posted (and counted)
+as in a real run.
 """
 
 from __future__ import annotations
@@ -168,15 +169,23 @@ def _on_fake_group() -> bool:
     return dist.get_backend() == "fake"
 
 
+class ActivationShapesUnknown(RuntimeError):
+    """A dry run's stage receives activations whose sender has not run yet in this process."""
+
+    def __init__(self, receiver: int, sender: int) -> None:
+        super().__init__(
+            f"a dry run of rank {receiver} needs the shapes of the activations rank {sender} "
+            f"sends it, known once rank {sender} has run; stages that each wait for the other's "
+            "activations (an interleaved schedule) cannot be dry-run one rank after another"
+        )
+        self.receiver, self.sender = receiver, sender
+
+
 def _from_fake_wire(t: Transfer) -> list[TensorMeta]:
     me = dist.get_rank()
     metas = _fake_wire.get((t.peer, me, t.key))
     if metas is None:
-        raise RuntimeError(
-            f"a dry run of rank {me} needs the shapes of the activations rank {t.peer} (the "
-            f"stage before it) sends it, known once rank {t.peer} has run: dry-run rank "
-            f"{t.peer} before rank {me} (list it earlier in ranks=, or --rank {t.peer} first)"
-        )
+        raise ActivationShapesUnknown(me, t.peer)
     return metas
 
 

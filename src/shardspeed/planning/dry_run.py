@@ -29,7 +29,7 @@ from ..autotuning.systems import Cluster
 from ..config import read_config_source
 from ..config.errors import ConfigError
 from ..pipe import PipelineModule
-from ..pipe.p2p import forget_fake_wire
+from ..pipe.p2p import ActivationShapesUnknown, forget_fake_wire
 from ..runtime.api import initialize
 from ..runtime.sequence_parallel.plan import current_plan
 from ..runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, shard_batch
@@ -185,19 +185,33 @@ def dry_run(
                 f"({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs)"
             )
     forget_fake_wire()
+
+    def run(rank: int, waiting: tuple[int, ...] = ()) -> tuple[RankPlan, dict[str, Any], int]:
+        """`rank`'s plan, its layout and the model's size. A later pipeline stage needs the
+        activation shapes its sender's run leaves (`pipe.p2p`): that rank runs first, unreported."""
+        try:
+            with fake_world(rank, cluster, backend):
+                module = build_model(model)
+                if activation_checkpointing:
+                    module.gradient_checkpointing_enable()
+                parameters = sum(p.numel() for p in module.parameters())
+                with sequence_parallel_script(module, config) as mpu:
+                    with _quiet(rank != ranks[0] or bool(waiting)):
+                        engine, *_ = initialize(model=module, config=config, mpu=mpu)
+                    plan = measure_rank(engine, cluster, batch, seq_len, steps)
+                    return plan, layout_of(engine, seq_len), parameters
+        except ActivationShapesUnknown as missing:
+            if missing.sender in (*waiting, rank):
+                raise  # each waits for the other: a schedule that sends both ways between stages
+            run(missing.sender, (*waiting, rank))
+            return run(rank, waiting)
+
     result: DryRun | None = None
     for rank in ranks:
-        with fake_world(rank, cluster, backend):
-            module = build_model(model)
-            if activation_checkpointing:
-                module.gradient_checkpointing_enable()
-            parameters = sum(p.numel() for p in module.parameters())
-            with sequence_parallel_script(module, config) as mpu:
-                with _quiet(rank != ranks[0]):
-                    engine, *_ = initialize(model=module, config=config, mpu=mpu)
-                if result is None:
-                    result = DryRun(cluster, layout_of(engine, seq_len), parameters)
-                result.ranks.append(measure_rank(engine, cluster, batch, seq_len, steps))
+        plan, layout, parameters = run(rank)
+        if result is None:
+            result = DryRun(cluster, layout, parameters)
+        result.ranks.append(plan)
     assert result is not None, "no rank was asked for"
     return result
 
