@@ -205,7 +205,7 @@ def manifest_index(manifest: dict[str, Any]) -> bytes:
     Line 1: `{"format", "tables": {table: [rows, row bytes]}, "manifest": ...}`, the manifest less
     `checksum`, `files` and `ranks`, each tensor with `rows` ([first, count] of its pieces) in
     place of `pieces`. Then the tables, each row a fixed-width line: `ranks` (per saving rank its
-    entry and the rows of its files), `files` (`[name, bytes, chunk_bytes, crc32]`, by name) and
+    entry of `ranks`, or null, and the rows of its files), `files` (`[name, bytes, chunk_bytes, crc32]`, by name) and
     `pieces` (`[file row, byte offset, start, length]`, by tensor name then start, empty ones
     left out). A function of the manifest alone, so that a reader can check an index is its own.
     """
@@ -222,8 +222,13 @@ def manifest_index(manifest: dict[str, Any]) -> bytes:
     owned: dict[int, list[int]] = {}
     for name in names:
         owned.setdefault(rank_of_file(name), []).append(file_rows[name])
-    for r, entry in enumerate(manifest["ranks"]):
-        rows["ranks"].append({**entry, "files": owned.get(r, [])})
+    # A rank's files hold its RNG tensors, and rank 0's the shared state's: a row for each rank
+    # with RNG states, and for rank 0 (an imported checkpoint has its files and no RNG states).
+    states = manifest["ranks"]
+    for r in range(max(len(states), 1 if 0 in owned else 0)):
+        rows["ranks"].append(
+            {"entry": states[r] if r < len(states) else None, "files": owned.get(r, [])}
+        )
     tensors = {}
     for name in sorted(manifest["tensors"]):
         entry = manifest["tensors"][name]
@@ -657,8 +662,8 @@ class ManifestIndex:
         save had fewer ranks) and the names of its files."""
         if rank >= self._tables["ranks"][1]:
             return None, []
-        entry = dict(self._row("ranks", rank))
-        return entry, [self._file(row) for row in entry.pop("files")]
+        row = self._row("ranks", rank)
+        return row["entry"], [self._file(i) for i in row["files"]]
 
     def pieces(self, name: str, start: int, length: int) -> list[list[Any]]:
         """The pieces of tensor `name` that hold elements [start, start + length): its rows
