@@ -39,14 +39,16 @@ LLAMA = {
 }
 
 
-def ds_config(stage: int, **extra) -> dict:
+def ds_config(stage: int, offload: dict | None = None, **extra) -> dict:
+    """`offload`: the `offload_optimizer` and `offload_param` sections both."""
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
         "bf16": {"enabled": True},
         # Small enough that stage 3 shards some of the tiny model's weights and keeps others.
         "zero_optimization": {"stage": stage}
-        | ({"stage3_param_persistence_threshold": 100} if stage == 3 else {}),
+        | ({"stage3_param_persistence_threshold": 100} if stage == 3 else {})
+        | ({"offload_optimizer": offload, "offload_param": offload} if offload else {}),
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         **extra,
     }
@@ -137,6 +139,8 @@ CASES = {
         {**LLAMA, "attn_implementation": "plain"},
         ds_config(3, sequence_parallel_size=2),
     ),
+    # ZeRO-Offload of the optimizer and of stage 3's shards to host memory.
+    "offload": (LLAMA, ds_config(3, offload={"device": "cpu"})),
 }
 BATCHES = {"pipeline": pipe_batch}
 
@@ -174,6 +178,12 @@ def test_a_dry_run_reports_what_real_ranks_hold_and_send(pool2, pool4, case):
         for want, got in zip(real, dry.ranks):
             assert comparable(dataclasses.asdict(got)) == comparable(want), (case, world)
             assert got.flops_per_step == want["flops_per_step"]
+    if case == "offload":
+        # Where a GPU run keeps them: masters, optimizer states and the shard in host memory.
+        for plan in dry.ranks:
+            assert plan.memory["optimizer_states"]["device"] == 0, plan.memory
+            assert plan.memory["optimizer_states"]["host"] > 0, plan.memory
+            assert plan.memory["parameters"]["host"] > 0, plan.memory
     if case == "pipeline":
         # Each of the 2 micro-batches' activations forward and gradients back, in bf16.
         assert dry.layout["pipeline_partition"] == [0, 3, 5]  # ties go to the later cut
@@ -188,11 +198,11 @@ def test_a_dry_run_reports_what_real_ranks_hold_and_send(pool2, pool4, case):
 
 
 @pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
-def test_zero_offload_is_refused_naming_its_key(key):
-    """ZeRO-Offload's host copies are allocated and filled from values the meta device lacks."""
+def test_offload_to_nvme_is_refused_naming_its_key(key):
+    """Swap files would be written on this machine; offload to host memory is planned."""
     config = ds_config(3)
-    config["zero_optimization"][key] = {"device": "cpu"}
-    with pytest.raises(ConfigError, match=rf"'zero_optimization\.{key}\.device' is 'cpu'"):
+    config["zero_optimization"][key] = {"device": "nvme", "nvme_path": "/tmp"}
+    with pytest.raises(ConfigError, match=rf"'zero_optimization\.{key}\.device' is 'nvme'"):
         dry_run(LLAMA, config, Cluster(1, 2))
 
 

@@ -217,18 +217,16 @@ def dry_run(
 
 
 def _refuse_offload(config: dict[str, Any]) -> None:
-    """ZeRO-Offload is not planned: its host copies and swap files are allocated for real and
-    filled from the model's values, which the meta device does not have (and allocating them would
-    take the reported rank's whole share of host memory on this machine)."""
+    """Offload to NVMe is not planned: its swap files are written for real (host memory is: the
+    offloaded stores stay on the meta device and are counted as host memory)."""
     zero = config.get("zero_optimization") or {}
     for key in ("offload_optimizer", "offload_param"):
         device = (zero.get(key) or {}).get("device", "none")
-        if device not in ("none", None):
+        if device == "nvme":
             raise ConfigError(
-                f"'zero_optimization.{key}.device' is {device!r}: a dry run cannot plan "
-                "ZeRO-Offload yet (its host copies and swap files would be allocated on this "
-                f"machine). Plan the config without '{key}': what it moves off the GPU is the "
-                "reported "
+                f"'zero_optimization.{key}.device' is 'nvme': a dry run cannot plan offload to "
+                "NVMe (its swap files would be written on this machine). Plan it with device "
+                f"'cpu': what goes to NVMe is then the reported host bytes of "
                 + ("optimizer_states" if key == "offload_optimizer" else "parameters")
                 + " on each rank"
             )
@@ -304,7 +302,7 @@ def measure_rank(
             train_step(engine, make, activations)
     collectives = _collectives(cluster)
     comm.reset_comm_volume()
-    places = memory_places(engine.optimizer, engine.module, engine.device)
+    places = memory_places(engine.optimizer, engine.module, engine.device, engine.untrained_shards)
     in_flight = _micro_batches_in_flight(engine)
     memory: dict[str, dict[str, int]] = {}
     for kind in MEMORY_KINDS:

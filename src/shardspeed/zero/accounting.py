@@ -59,6 +59,12 @@ def memory_places(
     held["buffers"] = list(module.buffers())
     seen: set[tuple] = set()
     accelerator = device.type != "cpu"
+    # What the config offloads, by storage: in a dry run it is on the meta device like the rest.
+    offloaded = optimizer.host_tensors() if optimizer is not None else []
+    offloaded += [
+        t for s in untrained if s.shard_offloaded for t in s.sharded_params.store.tensors()
+    ]
+    host = {storage_key(t) for t in offloaded} if accelerator else set()
     places = {}
     for kind in _KINDS:
         where = dict.fromkeys(_PLACES, 0)
@@ -67,7 +73,8 @@ def memory_places(
             nbytes = tensor.untyped_storage().nbytes()
             if nbytes and key not in seen:
                 seen.add(key)
-                where["cpu" if accelerator and tensor.device.type == "cpu" else "device"] += nbytes
+                on_host = (accelerator and tensor.device.type == "cpu") or key in host
+                where["cpu" if on_host else "device"] += nbytes
         places[kind] = where
     return places
 

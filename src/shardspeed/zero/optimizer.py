@@ -420,6 +420,16 @@ class ZeroOptimizer:
             "optimizer_states": states,
         }
 
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What the config puts in host memory (`offload_optimizer`: masters and optimizer states;
+        `offload_param` cpu: stage 3's shard), wherever it is now: a dry run keeps it on the meta
+        device, and the accounting then counts it as host memory all the same."""
+        held = self.held_tensors()
+        host = [*held["master_weights"], *held["optimizer_states"]] if self.offload.enabled else []
+        if self.offload.param_device == "cpu" and self.sharded_params is not None:
+            host += self.sharded_params.store.tensors()
+        return host
+
     # -- the torch optimizer's face, for scripts that touch engine.optimizer --------------------
 
     @property

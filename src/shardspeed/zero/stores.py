@@ -358,7 +358,7 @@ class ShardedParams:
         offsets = [0]
         for size in sizes:
             offsets.append(offsets[-1] + size)
-        shard_device = torch.device("cpu") if where == "cpu" else device
+        shard_device = host_memory(device) if where == "cpu" else device
         pin = shard_device != device and offload.pin_memory and torch.cuda.is_available()
         flat = torch.empty(offsets[-1], dtype=dtype, device=shard_device, pin_memory=pin)
         return MemoryShard(flat, offsets)
@@ -431,6 +431,13 @@ def shard_untrained(
         )
         for dtype, members in by_dtype.items()
     ]
+
+
+def host_memory(device: torch.device) -> torch.device:
+    """Where offloaded state lives beside `device`: host memory; on the meta device (a dry run,
+    `shardspeed.planning`) the meta device too, no bytes taken (the accounting counts it as host
+    memory through `ZeroOptimizer.host_tensors`)."""
+    return device if device.type == "meta" else torch.device("cpu")
 
 
 # -- masters --------------------------------------------------------------------------------------
@@ -575,7 +582,7 @@ def build_stores(
         else FlatGradients(plan, grad_dtype, device, alias=grad_dtype == model_dtype)
     )
     # Offloaded masters live in host memory; without a GPU that is where the model is anyway.
-    step_device = torch.device("cpu") if offload.enabled else device
+    step_device = host_memory(device) if offload.enabled else device
     masters = _masters(plan, params, step_device, offload.pin_memory)
     _point_optimizer(optimizer, plan, masters.masters)
     params.follow(masters.master_flat)
