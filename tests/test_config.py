@@ -645,6 +645,10 @@ RULE_TRIGGERS: dict[str, tuple[dict, RunFacts | None]] = {
         {"zero_optimization": {"stage": 2, "zero_quantized_weights": True}},
         None,
     ),
+    "zero_quantized_nontrainable_weights only at stage 3": (
+        {"zero_optimization": {"stage": 2, "zero_quantized_nontrainable_weights": True}},
+        None,
+    ),
     "zero_quantized_gradients only at stage 3": (
         {"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}},
         None,

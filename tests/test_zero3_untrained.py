@@ -57,9 +57,9 @@ def engine_for(model: nn.Module, zero: dict, optimizer: bool = True) -> object:
     return engine
 
 
-def train_adapted(zero: dict, save_dir: str | None = None) -> dict:
+def train_adapted(zero: dict, save_dir: str | None = None, model: nn.Module | None = None) -> dict:
     """Four steps on global batches of 8 (each rank its part); the whole parameters after."""
-    model = Adapted()
+    model = model or Adapted()
     engine = engine_for(model, zero)
     partitioned_at_start = all(map(reads_partitioned, frozen_params(model)))
     gen = torch.Generator().manual_seed(3)
@@ -228,3 +228,45 @@ def test_lora_with_gradient_checkpointing_trains_to_the_reference(pool2):
         assert_close_relative(
             [got["params"][n] for n in names], [want["params"][n] for n in names], 1e-5
         )
+
+
+def train_quantized_frozen() -> dict:
+    """`train_adapted` at ZeRO 3 with the frozen blocks stored int8 (ZeRO++'s
+    zero_quantized_nontrainable_weights); also the frozen values training sees, gathered."""
+    keys = {"stage": 3, "stage3_param_persistence_threshold": 0,
+            "zero_quantized_nontrainable_weights": True}  # fmt: skip
+    model = Adapted()
+    engine = engine_for(model, keys)
+    with shardspeed.zero.GatheredParameters(frozen_params(model)):
+        seen = [p.detach().clone() for p in frozen_params(model)]
+    store = engine.untrained_shards[0].sharded_params.store
+    del engine, model
+    return {**train_adapted(keys), "seen": seen, "stored": sum(t.numel() for t in store.tensors())}
+
+
+def test_frozen_weights_stored_quantized_train_on_their_dequantized_values(pool2):
+    """Frozen blocks kept as int8 payloads: what training computes with is each weight within
+    its block's quantization step of the original (and not the original); the trained weights
+    equal one process's trained with those frozen values, within 1e-5 relative; the payload is
+    the int8 values and one fp32 scale per 256, about a quarter of the fp32 shard."""
+    from shardspeed.zero.quantize import error_bound, payload_bytes
+
+    original = frozen_params(Adapted())
+    for result in pool2.run(train_quantized_frozen):
+        seen = result["seen"]
+        # A block of 256 covers a rank's whole piece of a unit (weight and bias): the unit's
+        # largest magnitude bounds the step.
+        for i in range(0, len(original), 2):
+            unit = torch.cat([original[i].reshape(-1), original[i + 1]])
+            bound = error_bound(unit, 8).max()
+            for got, want in zip(seen[i : i + 2], original[i : i + 2]):
+                assert (got - want).abs().max() <= bound
+        assert any(not got.equal(want) for got, want in zip(seen, original))
+        # Each of the 3 frozen units holds 72 elements; 36 on each rank.
+        assert result["stored"] == FROZEN * payload_bytes(BLOCK // 2, 8)
+        reference = Adapted()
+        with torch.no_grad():
+            for p, value in zip(frozen_params(reference), seen):
+                p.copy_(value)
+        expected = train_adapted({"stage": 0}, model=reference)["params"]
+        assert_close_relative(result["params"], expected, 1e-5)

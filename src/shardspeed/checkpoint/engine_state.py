@@ -414,23 +414,23 @@ def _collect_whole_tensors(
             logical.add(stored_name, key, value, (0, value.numel(), 0), value.shape)
 
 
-def _untrained_pieces(engine: Any) -> Iterator[tuple[torch.Tensor, list[Any]]]:
+def _untrained_pieces(engine: Any) -> Iterator[tuple[Any, int, list[Any]]]:
     """Stage 3's shards of the parameters no optimizer steps (`zero.stores.shard_untrained`):
-    each region's piece this rank holds (a view: a load writes into it), with the parameter
-    elements it holds, as `master_pieces` gives them."""
+    (the shard store, a region, the parameter elements this rank holds of it, as `master_pieces`
+    gives them)."""
     for store in engine.untrained_shards:
         plan, shard = store.plan, store.sharded_params.store
         for master, pieces in zip(plan.masters, plan.master_pieces()):
-            yield shard.piece(master.region), pieces
+            yield shard, master.region, pieces
 
 
 def _collect_untrained_shards(engine: Any, tensors: _RankFiles, logical: _LogicalTensors) -> None:
     """Each rank writes its own shards of the frozen parameters stage 3 partitions, as pieces
     of them: no gather, and each rank writes 1/N."""
     shapes = dict(engine.module.named_parameters())
-    for j, (value, pieces) in enumerate(_untrained_pieces(engine)):
+    for j, (shard, region, pieces) in enumerate(_untrained_pieces(engine)):
         key = f"frozen.shard.{j}"
-        tensors[key] = value
+        tensors[key] = value = shard.piece(region)
         for name, start, offset, length in pieces:
             stored = logical.stored_name(f"param/{name}", name)
             logical.add(stored, key, value, (start, length, offset), shapes[name].ds_shape)
@@ -943,10 +943,12 @@ def load_parameters(
                         flat[offset : offset + length] = read(f"param/{name}", name, start, length)
         managed = set(zopt.params)
         managed.update(p for store in engine.untrained_shards for p in store.plan.params)
-        for flat, own in _untrained_pieces(engine):
+        for shard, region, own in _untrained_pieces(engine):
+            flat = shard.piece(region).clone()
             for name, start, offset, length in own:
                 if f"param/{name}" in source:
                     flat[offset : offset + length] = read(f"param/{name}", name, start, length)
+            shard.write(region, flat)
         for module_name, p in engine.module.named_parameters():
             key = f"param/{_checkpoint_name(engine, module_name)[0]}"
             if p not in managed and key in source:  # frozen: this rank's piece, whole

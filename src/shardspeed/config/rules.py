@@ -112,6 +112,7 @@ _STEPS_ON_OWNERS = frozenset({"OneBitLamb"})
 
 RULES: tuple[Rule, ...] = (
     _zero_plus_plus_below_stage_3("zero_quantized_weights", False),
+    _zero_plus_plus_below_stage_3("zero_quantized_nontrainable_weights", False),
     _zero_plus_plus_below_stage_3("zero_quantized_gradients", False),
     _zero_plus_plus_below_stage_3("zero_hpz_partition_size", 1),
     Rule(

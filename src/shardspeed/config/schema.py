@@ -509,11 +509,6 @@ class ZeroConfig(StrictModel):
         "stage3_module_granularity_threshold": (
             f"{NOT_PLANNED}; choose stage 3 gather units with 'zero_optimization.leaf_module'"
         ),
-        "zero_quantized_nontrainable_weights": (
-            "storing frozen weights quantized is not built: stage 3 keeps each rank's shard of "
-            "the frozen weights in their own dtype; 'zero_quantized_weights' quantizes the "
-            "gathers of every partitioned weight, frozen ones included"
-        ),
         **{
             name: NOT_PLANNED
             for name in (

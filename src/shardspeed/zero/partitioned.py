@@ -27,7 +27,9 @@ rank's shard travels int8 block-quantized and every rank computes with the dequa
 with hpZ a rank keeps 1/k of each unit after its forward gather, and the unit's later hook
 gathers assemble it from those pieces within a node of k ranks until the shards change. Explicit
 gathers (`GatheredParameters`, saving) are exact: a unit holding dequantized values is gathered
-again.
+again. With `zero_quantized_nontrainable_weights` the parameters no optimizer steps are stored
+quantized (`QuantizedShard`): every gather of theirs sends the stored payload, and the
+dequantized values are their values.
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ class Stage3Options:
     # k > 1, a unit's hook gathers after its forward run within `hpz_group`, k consecutive ranks
     # of the ZeRO group (hpZ).
     quantized_weights: bool = False
+    # ZeRO++'s `zero_quantized_nontrainable_weights`: the parameters no optimizer steps are kept
+    # int8 block-quantized (`QuantizedShard`), their gathers sending the stored payload.
+    quantized_untrained: bool = False
     hpz_partition_size: int = 1
     hpz_group: Any = field(default=None, compare=False)
 
@@ -132,6 +137,7 @@ class Stage3Options:
             leaf_name_suffixes=tuple(leaf.name_suffixes),
             leaf_required=tuple(required),
             quantized_weights=zero.zero_quantized_weights,
+            quantized_untrained=zero.zero_quantized_nontrainable_weights,
             hpz_partition_size=zero.zero_hpz_partition_size,
             hpz_group=hpz_group,
         )
@@ -256,6 +262,8 @@ def plan_units(
 class MemoryShard:
     """This rank's shard of the parameters as one flat tensor, a piece per region."""
 
+    quantized = False
+
     def __init__(self, flat: torch.Tensor, offsets: list[int]) -> None:
         self.flat, self.offsets = flat, offsets
         self.dtype, self.device = flat.dtype, flat.device
@@ -274,11 +282,65 @@ class MemoryShard:
         return [self.flat]
 
 
+class QuantizedShard:
+    """This rank's shard int8 block-quantized (`zero/quantize.py`), one payload per gather unit:
+    about a quarter of fp32's bytes (half of 16-bit's). A unit's gather sends its payload as it is
+    stored and every rank computes with the dequantized values, which from then on are the
+    parameters' values (DeepSpeed's `zero_quantized_nontrainable_weights`, for frozen weights).
+    `piece` gives a dequantized copy; `write` quantizes its unit again."""
+
+    quantized = True
+
+    def __init__(self, exact: MemoryShard, unit_regions: Sequence[Sequence[int]]) -> None:
+        self.dtype, self.device, self.offsets = exact.dtype, exact.device, exact.offsets
+        self.unit_regions = [list(regions) for regions in unit_regions]
+        self.unit_of = {r: u for u, regions in enumerate(self.unit_regions) for r in regions}
+        # (The persistent unit may have no regions.)
+        values = [exact.pieces(r) if r else exact.flat[:0] for r in self.unit_regions]
+        self.numels = [v.numel() for v in values]
+        self.payloads = [self._quantized(v) for v in values]
+
+    @staticmethod
+    def _quantized(values: torch.Tensor) -> torch.Tensor:
+        if not values.numel():
+            return values.new_empty(0, dtype=torch.uint8)
+        return quantize(values, WEIGHT_BITS)
+
+    def payload(self, u: int) -> torch.Tensor:
+        return self.payloads[u]
+
+    def unit_numel(self, u: int) -> int:
+        return self.numels[u]
+
+    def _unit_values(self, u: int) -> torch.Tensor:
+        return dequantize(self.payloads[u], self.numels[u], WEIGHT_BITS, dtype=self.dtype)
+
+    def _span(self, r: int) -> tuple[int, slice]:
+        u = self.unit_of[r]
+        first = self.offsets[self.unit_regions[u][0]]
+        return u, slice(self.offsets[r] - first, self.offsets[r + 1] - first)
+
+    def piece(self, r: int) -> torch.Tensor:
+        u, span = self._span(r)
+        return self._unit_values(u)[span]
+
+    def write(self, r: int, values: torch.Tensor) -> None:
+        u, span = self._span(r)
+        unit = self._unit_values(u)
+        unit[span] = values
+        self.payloads[u] = self._quantized(unit)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.payloads)
+
+
 class SwappedShard:
     """This rank's shard of the parameters in swap files, one per region (`offload_param` nvme).
 
     `piece` reads a region into a fresh host buffer; `write` (and `write_async`) store one.
     """
+
+    quantized = False
 
     def __init__(self, swapper: Any, sizes: list[int], dtype: torch.dtype) -> None:
         self.swapper, self.sizes = swapper, sizes
@@ -372,7 +434,7 @@ class ShardedParameters:
         units: list[Unit],
         layout: FlatLayout,
         unit_regions: list[range],
-        store: MemoryShard | SwappedShard,
+        store: MemoryShard | SwappedShard | QuantizedShard,
         params: list[nn.Parameter],
         groups: Sequence[Any],
         options: Stage3Options | None = None,
@@ -524,7 +586,9 @@ class ShardedParameters:
         if rows is not None:
             self.layout.place_gathered(rows, self._regions_with_elements(u), buffer, start)
         self.buffers[u] = buffer
-        if gathering.quantized:
+        # A quantized store's values are the dequantized ones: gathered from it, a unit is exact.
+        from_store = self.store.quantized and not gathering.secondary
+        if gathering.quantized and not from_store:
             self._lossy.add(u)
         else:
             self._lossy.discard(u)
@@ -592,7 +656,8 @@ class ShardedParameters:
         buffer = self._unit_buffer(u, end - start)
         regions = self._regions_with_elements(u)
         secondary = hooked and u in self._secondary_valid
-        quantized = hooked and self.options.quantized_weights
+        stored = self.store.quantized and not secondary  # the stored payload goes as it is
+        quantized = bool(regions) and (stored or (hooked and self.options.quantized_weights))
         group, ranks = (
             (self.options.hpz_group, self.options.hpz_partition_size)
             if secondary
@@ -600,7 +665,10 @@ class ShardedParameters:
         )
         rows, inputs, works, numel = None, [], [], 0
         with self.streams.side(self.streams.gather):
-            if regions:  # (an empty persistent unit has none)
+            if regions and stored:
+                sent = self.store.payload(u).to(self.device, non_blocking=True)
+                numel = self.store.unit_numel(u)
+            elif regions:  # (an empty persistent unit has none)
                 mine = (
                     self._secondary[u]
                     if secondary
@@ -608,6 +676,7 @@ class ShardedParameters:
                 )
                 numel = mine.numel()
                 sent = quantize(mine, WEIGHT_BITS) if quantized else mine
+            if regions:
                 inputs.append(sent)
                 if quantized or len(regions) > 1:
                     rows = buffer.new_empty(ranks, sent.numel(), dtype=sent.dtype)

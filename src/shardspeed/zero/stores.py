@@ -31,7 +31,13 @@ from ..config.errors import ConfigError
 from .accounting import same_memory
 from .init import full_value, is_init_sharded
 from .offload import OffloadOptions, SwappedStates
-from .partitioned import MemoryShard, ShardedParameters, Stage3Options, SwappedShard
+from .partitioned import (
+    MemoryShard,
+    QuantizedShard,
+    ShardedParameters,
+    Stage3Options,
+    SwappedShard,
+)
 from .plan import Place, ShardPlan, build_plan
 from .swap import NvmeSwapper
 
@@ -332,6 +338,9 @@ class ShardedParams:
                     # zero.Init's slice now lives in the store: free it unit by unit, so the rank
                     # never holds its share of the model twice.
                     p.__dict__.pop("ds_tensor", None)
+        if not trained and stage3 is not None and stage3.quantized_untrained:
+            assert isinstance(store, MemoryShard), "untrained shards are never swapped"
+            store = QuantizedShard(store, plan.unit_regions)
         self.sharded_params = ShardedParameters(
             list(plan.units),
             plan.layout,
