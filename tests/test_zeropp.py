@@ -296,11 +296,13 @@ def test_zeropp_keys_are_refused_below_stage_3():
         ("zero_quantized_weights", True),
         ("zero_quantized_gradients", True),
         ("zero_hpz_partition_size", 2),
+        ("zero_quantized_nontrainable_weights", True),
     ):
         with pytest.raises(ConfigError, match=rf"'zero_optimization\.{key}' is a ZeRO\+\+"):
             load_config({"train_batch_size": 2, "zero_optimization": {"stage": 2, key: value}}, 1)
-    # At stage 3 they are accepted; frozen-weight quantization is not built.
-    load_config({"train_batch_size": 2, "zero_optimization": stage3(**QWZ, **HPZ, **QGZ)}, 1)
+    # At stage 3 they are accepted (frozen weights stored quantized: test_zero3_untrained.py).
+    together = stage3(**QWZ, **HPZ, **QGZ, zero_quantized_nontrainable_weights=True)
+    load_config({"train_batch_size": 2, "zero_optimization": together}, 1)
     # qgZ's int4 pieces take the place of the reduce-scatter and its wire dtype.
     with pytest.raises(ConfigError, match="'communication_data_type' 'bf16' would change nothing"):
         load_config(
@@ -308,14 +310,6 @@ def test_zeropp_keys_are_refused_below_stage_3():
                 "train_batch_size": 2,
                 "communication_data_type": "bf16",
                 "zero_optimization": stage3(**QGZ),
-            },
-            1,
-        )
-    with pytest.raises(ConfigError, match="zero_quantized_nontrainable_weights"):
-        load_config(
-            {
-                "train_batch_size": 2,
-                "zero_optimization": stage3(zero_quantized_nontrainable_weights=True),
             },
             1,
         )

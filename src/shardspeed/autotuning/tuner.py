@@ -1024,10 +1024,21 @@ def _summary_text(
         f"{_number(throughput_error and 100 * throughput_error, '.1f')}%, memory "
         f"{_number(memory_error and 100 * memory_error, '.1f')}%",
     ]
-    predicted = calibration is not None and calibration["step_time_model"] is not None
-    if predicted:
+    lines += _estimates_text(calibration)
+    if pruned:
+        lines += ["", f"not tried ({len(pruned)}):"]
+        lines += [f"  {candidate.name}: {why}" for candidate, why in pruned]
+    return "\n".join(lines) + "\n"
+
+
+def _estimates_text(calibration: dict[str, Any] | None) -> list[str]:
+    """summary.txt's lines on where the estimates came from: the step-time model's prediction,
+    or the planner model fitted to calibration trials (none without either)."""
+    if calibration is None:
+        return []
+    if calibration["step_time_model"] is not None:
         cluster = calibration["step_time_model"]
-        lines += [
+        return [
             "",
             "estimates: the step-time model's prediction (docs/planning.md) for "
             f"{cluster['nodes']} x {cluster['gpus_per_node']} {cluster['gpu']}, made before any "
@@ -1039,37 +1050,31 @@ def _summary_text(
             f"({calibration['memory_limit_source']}); memory is the model states and "
             f"{_bytes(calibration['activation_bytes_per_sample'])} of activations a sample",
         ]
-    elif calibration is not None:
-        bandwidth = calibration["bus_bandwidth_bytes_per_s"]
-        lines += [
-            "",
-            f"planner model (fitted to {calibration['fitted_to_trials']} trial(s)):",
-            f"  {calibration['num_params']:,} parameters, {calibration['dp_size']} data-parallel x "
-            f"{calibration['mp_size']} model-parallel ranks, {calibration['precision']}",
-            f"  compute {_number(calibration['flops_per_s_per_rank'])} FLOP/s per rank (6 x "
-            f"parameters x {calibration['tokens_per_sample']:g} token(s) a sample) + per "
-            "micro-step "
-            + (
-                ", ".join(
-                    f"{seconds:.4g} s at stage {stage}"
-                    for stage, seconds in calibration["micro_step_s"].items()
-                )
-                or "0 s"
+    bandwidth = calibration["bus_bandwidth_bytes_per_s"]
+    return [
+        "",
+        f"planner model (fitted to {calibration['fitted_to_trials']} trial(s)):",
+        f"  {calibration['num_params']:,} parameters, {calibration['dp_size']} data-parallel x "
+        f"{calibration['mp_size']} model-parallel ranks, {calibration['precision']}",
+        f"  compute {_number(calibration['flops_per_s_per_rank'])} FLOP/s per rank (6 x "
+        f"parameters x {calibration['tokens_per_sample']:g} token(s) a sample) + per "
+        "micro-step "
+        + (
+            ", ".join(
+                f"{seconds:.4g} s at stage {stage}"
+                for stage, seconds in calibration["micro_step_s"].items()
             )
-            + " (other stages: the nearest's)",
-            f"  optimizer step {_number(calibration['optimizer_s_per_param'])} s a parameter "
-            "updated",
-            f"  activations {_bytes(calibration['activation_bytes_per_sample'])} a sample, "
-            f"{_bytes(calibration['runtime_bytes'])} besides model states and activations",
-            "  bus bandwidth "
-            + (f"{bandwidth / 1e9:.4g} GB/s" if bandwidth else "- (one data-parallel rank)"),
-            f"  memory limit {_bytes(calibration['memory_limit_bytes'])} a rank "
-            f"({calibration['memory_limit_source']})",
-        ]
-    if pruned:
-        lines += ["", f"not tried ({len(pruned)}):"]
-        lines += [f"  {candidate.name}: {why}" for candidate, why in pruned]
-    return "\n".join(lines) + "\n"
+            or "0 s"
+        )
+        + " (other stages: the nearest's)",
+        f"  optimizer step {_number(calibration['optimizer_s_per_param'])} s a parameter updated",
+        f"  activations {_bytes(calibration['activation_bytes_per_sample'])} a sample, "
+        f"{_bytes(calibration['runtime_bytes'])} besides model states and activations",
+        "  bus bandwidth "
+        + (f"{bandwidth / 1e9:.4g} GB/s" if bandwidth else "- (one data-parallel rank)"),
+        f"  memory limit {_bytes(calibration['memory_limit_bytes'])} a rank "
+        f"({calibration['memory_limit_source']})",
+    ]
 
 
 def run_autotuning(args: argparse.Namespace) -> int:

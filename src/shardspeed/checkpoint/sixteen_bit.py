@@ -143,7 +143,7 @@ def _items(
 ) -> list[list[nn.Parameter]]:
     """The parameters grouped by gather unit (ZeRO-3) or one by one, groups joined up to
     `bucket_bytes`."""
-    units = [unit.params for shards in engine.parameter_shards() for unit in shards.units]
+    units = [unit.params for shards in engine.parameter_shards for unit in shards.units]
     in_units = {p for unit in units for p in unit}
     groups = [list(unit) for unit in units if unit]
     groups += [[p] for p in params if p not in in_units]  # whole ones (below stage 3, say)

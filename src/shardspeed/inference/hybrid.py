@@ -96,7 +96,7 @@ class HybridGeneration(EngineComponent):
     # -- the inference copy ------------------------------------------------------------------------
 
     def _needs_copy(self) -> bool:
-        return bool(self.engine.parameter_shards()) or self.inference_tp_size > 1
+        return bool(self.engine.parameter_shards) or self.inference_tp_size > 1
 
     def inference_module(self) -> nn.Module:
         """The model generation runs on: the inference copy (built or rebuilt if the weights
@@ -115,7 +115,7 @@ class HybridGeneration(EngineComponent):
     def _build_copy(self) -> nn.Module:
         engine = self.engine
         zopt = engine.optimizer
-        shards = engine.parameter_shards()
+        shards = engine.parameter_shards
         # The trained parameters, and at stage 3 every parameter: the copy gets empty tensors of
         # their whole shape, filled below; the others are whole already and copied as they are.
         filled = {p: p.shape for p in zopt.params} if zopt is not None else {}

@@ -164,7 +164,7 @@ class ShardSpeedEngine(nn.Module):
         if self.basic_optimizer is not None:
             check_param_groups(self.basic_optimizer.param_groups)
         self.optimizer = self._wrap_optimizer(self.basic_optimizer)
-        self.untrained_shards = self._shard_untrained()
+        self.untrained_shards, self.parameter_shards = _stage3_shards(self)
         # Under sequence parallelism the first loss tells how gradients must be reduced.
         self._sequence_loss = (
             SequenceLoss(config.sequence_parallel.loss, topology, self.optimizer)
@@ -260,41 +260,6 @@ class ShardSpeedEngine(nn.Module):
             whole_groups=_whole_tensor_groups(basic, config.zero_allow_untested_optimizer),
             **self._sharding_layout(),
         )
-
-    def _shard_untrained(self) -> list[ShardedParams]:
-        """The parameters no optimizer steps (frozen ones; all of them in an engine without an
-        optimizer): at stage 3 sharded as the trained ones are (`zero.stores.shard_untrained`),
-        experts' and non-floating ones excepted; below stage 3 whole, zero.Init's slices made
-        whole again."""
-        zero = self.run_config.zero_optimization
-        managed = set(self.optimizer.params) if self.optimizer is not None else set()
-        untrained = [p for p in self.module.parameters() if p not in managed]
-        experts = {p for part in self.experts.parameters for p in part.params}
-        sharded = (
-            [p for p in untrained if p.is_floating_point() and p not in experts]
-            if zero.stage == 3
-            else []
-        )
-        kept = set(sharded)
-        materialize((p for p in untrained if p not in kept), zero.stage == 3)
-        if not sharded:
-            return []
-        topo = self.topology
-        data = Place(
-            topo.get_sequence_data_parallel_group(),
-            topo.get_sequence_data_parallel_rank(),
-            topo.get_sequence_data_parallel_world_size(),
-        )
-        stage3 = Stage3Options.from_config(zero, self._hpz_group(zero.zero_hpz_partition_size))
-        offload = OffloadOptions.from_config(self.run_config)
-        return shard_untrained(self.module, sharded, data, stage3, offload, self.device)
-
-    def parameter_shards(self) -> list[ShardedParameters]:
-        """Every set of stage-3 shards: the optimizer's, then those of the parameters it does
-        not step (empty below stage 3)."""
-        trained = self.optimizer.sharded_params if self.optimizer is not None else None
-        untrained = [store.sharded_params for store in self.untrained_shards]
-        return [trained, *untrained] if trained is not None else untrained
 
     def _hpz_group(self, size: int) -> Any:
         """The group of ZeRO++'s hierarchical partitioning (None when it is off)."""
@@ -401,7 +366,7 @@ class ShardSpeedEngine(nn.Module):
         _refuse_replaced(self, "forward")
         if self.run_config.fp16.enabled and self.run_config.fp16.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), torch.float16)
-        for shards in self.parameter_shards():
+        for shards in self.parameter_shards:
             shards.begin_pass(torch.is_grad_enabled())
         with contextlib.ExitStack() as observed:
             for observer in self.observers:
@@ -744,6 +709,46 @@ def _client_scheduler(
         return None
     name, params_model = scheduler_params(config)
     return build_scheduler(name, params_model, basic_optimizer)
+
+
+def _stage3_shards(
+    engine: ShardSpeedEngine,
+) -> tuple[list[ShardedParams], list[ShardedParameters]]:
+    """(the stores of the parameters no optimizer steps, every set of stage-3 shards: the
+    optimizer's, then theirs), both empty below stage 3."""
+    untrained = _shard_untrained(engine)
+    trained = engine.optimizer.sharded_params if engine.optimizer is not None else None
+    every = [*([trained] if trained is not None else []), *(s.sharded_params for s in untrained)]
+    return untrained, every
+
+
+def _shard_untrained(engine: ShardSpeedEngine) -> list[ShardedParams]:
+    """The parameters no optimizer steps (frozen ones; all of them in an engine without an
+    optimizer): at stage 3 sharded as the trained ones are (`zero.stores.shard_untrained`),
+    experts' and non-floating ones excepted; below stage 3 whole, zero.Init's slices made whole
+    again."""
+    zero = engine.run_config.zero_optimization
+    managed = set(engine.optimizer.params) if engine.optimizer is not None else set()
+    untrained = [p for p in engine.module.parameters() if p not in managed]
+    experts = {p for part in engine.experts.parameters for p in part.params}
+    sharded = (
+        [p for p in untrained if p.is_floating_point() and p not in experts]
+        if zero.stage == 3
+        else []
+    )
+    kept = set(sharded)
+    materialize((p for p in untrained if p not in kept), zero.stage == 3)
+    if not sharded:
+        return []
+    topo = engine.topology
+    data = Place(
+        topo.get_sequence_data_parallel_group(),
+        topo.get_sequence_data_parallel_rank(),
+        topo.get_sequence_data_parallel_world_size(),
+    )
+    stage3 = Stage3Options.from_config(zero, engine._hpz_group(zero.zero_hpz_partition_size))
+    offload = OffloadOptions.from_config(engine.run_config)
+    return shard_untrained(engine.module, sharded, data, stage3, offload, engine.device)
 
 
 def _observers(engine: ShardSpeedEngine) -> list[StepObserver]:
