@@ -197,6 +197,18 @@ def test_a_dry_run_reports_what_real_ranks_hold_and_send(pool2, pool4, case):
         assert alone.ranks == [dry.ranks[3]]
 
 
+def test_activations_count_a_received_input_and_not_the_weights():
+    """What a later pipeline stage saves of its received input (a leaf that needs a gradient, not
+    a parameter) is activation memory; its weights and their views are not."""
+    from shardspeed.zero.accounting import saved_activation_bytes
+
+    layer = nn.Linear(8, 8, bias=False)
+    received = torch.randn(4, 8).requires_grad_()
+    with saved_activation_bytes(layer) as counted:
+        layer(received).sum().backward()
+    assert counted[0] == received.numel() * 4  # the input Linear saves; its weight is not counted
+
+
 @pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
 def test_offload_to_nvme_is_refused_naming_its_key(key):
     """Swap files would be written on this machine; offload to host memory is planned."""

@@ -97,16 +97,17 @@ _VIEW_NODES = frozenset(
 
 
 def _viewed_leaf(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` is a leaf that requires grad (a parameter) or a view of one."""
+    """Whether `tensor` is a trained parameter (a leaf that is an `nn.Parameter`) or a view of
+    one. Other leaves that require grad are activations: a later pipeline stage's input."""
     node = tensor.grad_fn
     if node is None:
-        return tensor.requires_grad
+        return tensor.requires_grad and isinstance(tensor, nn.Parameter)
     while type(node).__name__ in _VIEW_NODES:
         inputs = [n for n, _ in node.next_functions if n is not None]
         if len(inputs) != 1:
             return False
         node = inputs[0]
-    return type(node).__name__ == "AccumulateGrad"
+    return type(node).__name__ == "AccumulateGrad" and isinstance(node.variable, nn.Parameter)
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
