@@ -17,17 +17,7 @@ from shardspeed.checkpoint.format import INDEX, MANIFEST, bytes_read, reset_byte
 from shardspeed.planning import Cluster, dry_run
 from shardspeed.planning.checkpoints import engine_as, file_opens, world_checkpoint
 from shardspeed.planning.dry_run import fake_world
-from shardspeed.planning.models import PRESETS
-
-ZERO3 = {
-    "bf16": {"enabled": True},
-    "zero_optimization": {
-        "stage": 3,
-        "reduce_bucket_size": 2e9,
-        "stage3_max_live_parameters": 3e9,
-    },
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-}
+from shardspeed.planning.models import PRESETS, ZERO3_AT_SCALE
 
 # (name, model, cluster, micro-batch, extra config, seq, checkpointing, published tokens/s/GPU, source)
 PUBLISHED = [
@@ -44,7 +34,7 @@ def published() -> None:
     print("| run | published tokens/s/GPU | predicted | error | source |")
     print("| --- | ---: | ---: | ---: | --- |")
     for name, model, cluster, micro, extra, seq, ac, figure, source in PUBLISHED:
-        config = {**ZERO3, "train_micro_batch_size_per_gpu": micro, **extra}
+        config = {**ZERO3_AT_SCALE, "train_micro_batch_size_per_gpu": micro, **extra}
         result = dry_run(model, config, cluster, seq_len=seq, steps=1, activation_checkpointing=ac)
         seconds = result.step_time(result.ranks[0]).total
         predicted = result.tokens_per_step / seconds / cluster.world_size
@@ -57,7 +47,7 @@ def startup() -> None:
     print("| --- | ---: | ---: |")
     for model in ("llama3-8b", "llama3-70b"):
         for nodes in (8, 64, 512):
-            config = {**ZERO3, "train_micro_batch_size_per_gpu": 1}
+            config = {**ZERO3_AT_SCALE, "train_micro_batch_size_per_gpu": 1}
             start = time.perf_counter()
             dry_run(model, config, Cluster(nodes, 8), seq_len=128, steps=1)
             print(f"| {model} | {nodes * 8} | {time.perf_counter() - start:.1f} |", flush=True)
@@ -73,7 +63,7 @@ def checkpoint(worlds: list[int]) -> None:
     the manifest and its index, the files it opens, and the bytes the save's and load's
     collectives move through the rank; with the index, then without it (as before it existed:
     every rank parses the whole manifest, as checkpoints written before it still load)."""
-    config = {**ZERO3, "train_micro_batch_size_per_gpu": 1,
+    config = {**ZERO3_AT_SCALE, "train_micro_batch_size_per_gpu": 1,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}  # fmt: skip
     print("| world | manifest (MB) | rank | index | load: manifest + index bytes read "
           "| load: files opened (opens) | load: collective bytes | save: collective bytes "

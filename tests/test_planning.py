@@ -19,7 +19,7 @@ from shardspeed.config.errors import ConfigError
 from shardspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from shardspeed.planning import Cluster, build_model, dry_run, measure_rank
 from shardspeed.planning.dry_run import layout_of, sequence_parallel_script
-from shardspeed.planning.models import PRESETS, causal_lm_batch
+from shardspeed.planning.models import PRESETS, ZERO3_AT_SCALE, causal_lm_batch
 
 
 @pytest.fixture(autouse=True)
@@ -266,18 +266,7 @@ def test_a_dry_run_of_expert_parallelism_reports_what_real_ranks_hold_and_send(p
         assert sums[0] == sums[1], world
 
 
-# ZeRO-3 at real size: buckets as large as a 70B layer's unit, so each unit's gradients go out as
-# one reduce-scatter; a live-parameter limit that admits the embedding unit.
-REAL_SIZE = {
-    "train_micro_batch_size_per_gpu": 1,
-    "bf16": {"enabled": True},
-    "zero_optimization": {
-        "stage": 3,
-        "reduce_bucket_size": 2e9,
-        "stage3_max_live_parameters": 3e9,
-    },
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-}
+REAL_SIZE = {**ZERO3_AT_SCALE, "train_micro_batch_size_per_gpu": 1}
 
 
 @pytest.mark.parametrize(("model", "nodes"), [("llama3-8b", 8), ("llama3-70b", 512)])

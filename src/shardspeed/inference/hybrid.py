@@ -118,7 +118,7 @@ class HybridGeneration(EngineComponent):
         shards = engine.parameter_shards
         # The trained parameters, and at stage 3 every parameter: the copy gets empty tensors of
         # their whole shape, filled below; the others are whole already and copied as they are.
-        filled = {p: p.shape for p in zopt.params} if zopt is not None else {}
+        filled = dict(zip(zopt.params, zopt.layout.shapes)) if zopt is not None else {}
         filled.update((p, s.layout.shapes[i]) for s in shards for p, i in s.index.items())
         memo = {
             id(p): nn.Parameter(

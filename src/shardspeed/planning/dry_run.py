@@ -172,7 +172,7 @@ def dry_run(
     """
     if isinstance(config, (str, os.PathLike)):
         config = read_config_source(os.fspath(config))
-    _refuse_offload(config)
+    _refuse_nvme_offload(config)
     if batch is None:
         if hf_config(model) is None:
             raise ValueError("a dry run of your own module needs batch=: a function that makes a "
@@ -216,7 +216,7 @@ def dry_run(
     return result
 
 
-def _refuse_offload(config: dict[str, Any]) -> None:
+def _refuse_nvme_offload(config: dict[str, Any]) -> None:
     """Offload to NVMe is not planned: its swap files are written for real (host memory is: the
     offloaded stores stay on the meta device and are counted as host memory)."""
     zero = config.get("zero_optimization") or {}

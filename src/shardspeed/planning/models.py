@@ -26,8 +26,9 @@ _LLAMA3 = {
     "tie_word_embeddings": False,
 }
 
-# A tiny Llama-like model; Meta's Llama 3 / 3.1 configs (hidden, MLP, layers, heads) and DeepSeek-V3's (671B, 37B active:
-# 61 layers, the first 3 dense, 256 routed experts of which 8 per token, one shared).
+# A tiny Llama-like model; Meta's Llama 3 / 3.1 configs (hidden, MLP, layers, heads); DeepSeek-V3's
+# (671B, 37B active: 61 layers, the first 3 dense, 256 routed experts of which 8 per token, one
+# shared).
 PRESETS: dict[str, dict[str, Any]] = {
     # A tiny Llama-like model: to try a config's layout and start-up in seconds.
     "llama-tiny": {
@@ -84,6 +85,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 163840,
         "tie_word_embeddings": False,
     },
+}
+
+# A ZeRO-3 config for the presets at real size: reduce buckets as large as a 70B layer's unit, so
+# that each unit's gradients go out as one reduce-scatter, and a live-parameter limit that admits
+# the embedding's unit. The micro-batch is the caller's.
+ZERO3_AT_SCALE: dict[str, Any] = {
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": 2e9,
+        "stage3_max_live_parameters": 3e9,
+    },
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
 }
 
 # What a dry run can be given as its model.
